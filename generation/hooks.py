@@ -2,7 +2,8 @@
 
 Transformers has no registry of candidate generators: ``GenerationMixin._get_candidate_generator`` is an
 if/elif chain. :func:`install_generate_hook` wraps it once (guarded, idempotent) so that a DSpark assistant
-gets our generator and every other assistant goes to the original chain unchanged. The no-patching form
+gets our generator and every other assistant goes to the original chain unchanged; it also wraps
+``_validate_generation_mode`` so an incompatible drafter gets our clear error before Transformers' own checks. The no-patching form
 is :func:`dspark_generate`, passed as ``generate(custom_generate=dspark_generate, dspark_model=drafter)``.
 """
 
@@ -25,7 +26,7 @@ __all__ = [
 ]
 
 # The hook relies on private assisted-generation internals; keep in step with pyproject.toml.
-TESTED_TRANSFORMERS = (">=5.22.0", "<5.25.0")
+TESTED_TRANSFORMERS = (">=5.24.0", "<5.25.0")
 _HOOK_FLAG = "__dspark_hook__"
 
 
@@ -47,18 +48,7 @@ def _build_generator(target, drafter, generation_config, input_ids, model_kwargs
     )
 
 
-def install_generate_hook() -> bool:
-    """Wrap ``GenerationMixin._get_candidate_generator``; returns False if it was already wrapped."""
-    original = GenerationMixin._get_candidate_generator
-    if getattr(original, _HOOK_FLAG, False):
-        return False
-    low, high = (version.parse(spec.lstrip("<>=")) for spec in TESTED_TRANSFORMERS)
-    if not low <= version.parse(transformers_version) < high:
-        warnings.warn(
-            f"dspark was tested with transformers {','.join(TESTED_TRANSFORMERS)}; found {transformers_version}. "
-            "Assisted-generation internals may have changed.",
-            stacklevel=2,
-        )
+def _route_candidate_generator(original):
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -75,18 +65,60 @@ def install_generate_hook() -> bool:
             )
         return original(self, *args, **kwargs)
 
-    setattr(_get_candidate_generator, _HOOK_FLAG, True)
-    GenerationMixin._get_candidate_generator = _get_candidate_generator
+    return _get_candidate_generator
+
+
+def _check_dspark_assistant(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _validate_generation_mode(self, *args, **kwargs):
+        # Transformers reads a vocabulary mismatch as "different tokenizers"; say what is really wrong first.
+        mode_kwargs = signature.bind(self, *args, **kwargs).arguments.get("generation_mode_kwargs") or {}
+        assistant = mode_kwargs.get("assistant_model")
+        if is_dspark_drafter(assistant):
+            assistant.check_compatible(self)
+        return original(self, *args, **kwargs)
+
+    return _validate_generation_mode
+
+
+# GenerationMixin method -> wrapper factory
+_WRAPPERS = {
+    "_get_candidate_generator": _route_candidate_generator,
+    "_validate_generation_mode": _check_dspark_assistant,
+}
+
+
+def install_generate_hook() -> bool:
+    """Wrap the ``GenerationMixin`` methods in ``_WRAPPERS``; returns False if they were already wrapped."""
+    if all(getattr(getattr(GenerationMixin, name), _HOOK_FLAG, False) for name in _WRAPPERS):
+        return False
+    low, high = (version.parse(spec.lstrip("<>=")) for spec in TESTED_TRANSFORMERS)
+    if not low <= version.parse(transformers_version) < high:
+        warnings.warn(
+            f"dspark was tested with transformers {','.join(TESTED_TRANSFORMERS)}; found {transformers_version}. "
+            "Assisted-generation internals may have changed.",
+            stacklevel=2,
+        )
+    for name, make_wrapper in _WRAPPERS.items():
+        original = getattr(GenerationMixin, name)
+        if not getattr(original, _HOOK_FLAG, False):
+            wrapper = make_wrapper(original)
+            setattr(wrapper, _HOOK_FLAG, True)
+            setattr(GenerationMixin, name, wrapper)
     return True
 
 
 def uninstall_generate_hook() -> bool:
-    """Restore the original ``_get_candidate_generator``; returns False if no hook was installed."""
-    current = GenerationMixin._get_candidate_generator
-    if not getattr(current, _HOOK_FLAG, False):
-        return False
-    GenerationMixin._get_candidate_generator = current.__wrapped__
-    return True
+    """Restore the original methods; returns False if no hook was installed."""
+    removed = False
+    for name in _WRAPPERS:
+        current = getattr(GenerationMixin, name)
+        if getattr(current, _HOOK_FLAG, False):
+            setattr(GenerationMixin, name, current.__wrapped__)
+            removed = True
+    return removed
 
 
 def dspark_generate(

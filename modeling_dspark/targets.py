@@ -60,8 +60,16 @@ def load_target(name: str = "smollm2-135m-instruct", *, dtype: torch.dtype = tor
     stamp_file = folder / "dspark_source.json"
     if not (stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp):
         # De-quantise once (fp32, exact) and cache; tmp folder + rename so an interrupted run leaves no half cache.
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # A GGUF-loaded model counts as quantized and refuses save_pretrained: copy it into a plain one.
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict())
+        model.generation_config = loaded.generation_config
+        del loaded
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

