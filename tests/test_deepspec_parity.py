@@ -166,3 +166,73 @@ def test_training_forward(fx, parity_report):
     draft = drafter.markov_head.apply_block_logits(base, prev, h)
     close("train.draft_logits (kept blocks)", draft[keep], ref["train.draft_logits"][keep], parity_report)
     close("train.confidence_pred (kept blocks)", drafter.confidence_logits(h, prev)[keep], ref["train.confidence_pred"][keep], parity_report)
+
+
+def test_training_loss(fx, parity_report):
+    from modeling_dspark.loss import build_loss_weights, compute_dspark_loss
+
+    ref, meta, target, drafter = fx
+    keep = ref["train.block_keep_mask"].bool()
+    settings = meta["training"]["loss_settings"]
+    out = compute_dspark_loss(
+        drafter,
+        input_ids=ref["train.input_ids"],
+        loss_mask=ref["train.loss_mask"],
+        context_features=ref["train.target_hidden_states"],
+        target_last_hidden=ref["train.target_last_hidden_states"],
+        input_embeddings=target.get_input_embeddings(),
+        lm_head=target.get_output_embeddings(),
+        anchors=ref["train.anchor_positions"],
+        keep=keep,
+        ce_alpha=settings["ce_loss_alpha"],
+        l1_alpha=settings["l1_loss_alpha"],
+        confidence_alpha=settings["confidence_head_alpha"],
+        decay=settings["loss_decay_gamma"],
+        chunk_size=4,  # chunking must not change anything
+        return_logits=True,
+    )
+    assert torch.equal(out.eval_mask, ref["train.eval_mask"].bool())
+    close("train.loss_weight_mask", build_loss_weights(out.eval_mask, settings["loss_decay_gamma"]), ref["train.loss_weight_mask"], parity_report)
+    close("train.draft_logits (loss, kept)", out.draft_logits[keep], ref["train.draft_logits"][keep], parity_report)
+    close("train.aligned_target_logits (kept)", out.target_logits[keep], ref["train.aligned_target_logits"][keep], parity_report)
+    close("train.confidence_pred (loss, kept)", out.confidence_logits[keep], ref["train.confidence_pred"][keep], parity_report)
+    for ours, name in [
+        (out.ce_num, "train.ce_loss_num"),
+        (out.l1_num, "train.l1_loss_num"),
+        (out.confidence_num, "train.confidence_loss_num"),
+        (out.weight_den, "train.ce_loss_den"),
+        (out.ce_loss, "train.ce_loss"),
+        (out.l1_loss, "train.l1_loss"),
+        (out.confidence_loss, "train.confidence_loss"),
+        (out.loss, "train.total_loss"),
+    ]:
+        close(name, ours, ref[name], parity_report)
+
+
+def test_training_gradients(fx, parity_report):
+    """Supplementary: gradients of the total loss (DeepSpec's eager dense-mask pass) through our chunked,
+    checkpointed loss."""
+    import copy
+
+    from modeling_dspark.loss import compute_dspark_loss
+
+    ref, meta, target, drafter = fx
+    drafter = copy.deepcopy(drafter).train()
+    target = copy.deepcopy(target).requires_grad_(False)  # the target (embedding, LM head) is frozen in training
+    out = compute_dspark_loss(
+        drafter,
+        input_ids=ref["train.input_ids"],
+        loss_mask=ref["train.loss_mask"],
+        context_features=ref["train.target_hidden_states"],
+        target_last_hidden=ref["train.target_last_hidden_states"],
+        input_embeddings=target.get_input_embeddings(),
+        lm_head=target.get_output_embeddings(),
+        anchors=ref["train.anchor_positions"],
+        keep=ref["train.block_keep_mask"].bool(),
+        chunk_size=3,
+    )
+    out.loss.backward()
+    params = dict(drafter.named_parameters())
+    for name in meta["training"]["gradient_params"]:
+        close(f"grad.{name}", params[name].grad, ref[f"grad.{name}"], parity_report)
+    assert target.get_output_embeddings().weight.grad is None and target.get_input_embeddings().weight.grad is None
