@@ -12,6 +12,7 @@ class DSparkRound:
     drafted: int  # tokens the drafter sampled this round
     verified: int  # drafted tokens sent to the target for verification
     accepted: int = 0  # verified tokens the target accepted (the bonus token is not counted here)
+    confidence_logits: list[float] = field(default_factory=list)  # raw c_k logits of the verified slots
 
 
 @dataclass

@@ -145,7 +145,9 @@ def compute_dspark_loss(
     return_logits: bool = False,
     eps: float = 1e-6,
 ) -> DSparkLossOutput:
-    """One drafter forward over every anchor block of the batch, then the loss in chunks of blocks."""
+    """One drafter forward over every anchor block of the batch, then the loss in chunks of blocks.
+
+    Also reachable as ``drafter(dspark_loss_inputs={...})``, the form to use under a data-parallel wrapper."""
     cfg = drafter.config
     gamma = cfg.block_size
     bsz, seq_len = input_ids.shape
@@ -182,8 +184,8 @@ def compute_dspark_loss(
         for start in range(0, num_blocks, chunk_size):
             sl = slice(start, start + chunk_size)
             args = (h[b, sl], prev_ids[b, sl], target_ids[b, sl], logit_index[b, sl], weights[b, sl], b)
-            # recompute the chunk's logits in backward instead of keeping [chunk, B, V] tensors alive
-            if torch.is_grad_enabled() and drafter.training and not return_logits:
+            # with several chunks, recompute each chunk's logits in backward instead of keeping them all alive
+            if num_blocks > chunk_size and torch.is_grad_enabled() and drafter.training and not return_logits:
                 result = checkpoint(chunk_terms, *args, use_reentrant=False)
             else:
                 result = chunk_terms(*args)

@@ -214,13 +214,19 @@ class DSparkModel(DSparkPreTrainedModel):
     # ----------------------------------------------------------------------------------------------- forward
     def forward(
         self,
-        block_embeds: torch.Tensor,  # [B, Q, d]
+        block_embeds: torch.Tensor | None = None,  # [B, Q, d]
         context_features: torch.Tensor | None = None,  # [B, C, m * d_target] new context since the cache
         position_ids: torch.LongTensor | None = None,  # [B, C + Q] positions of [new context ; block]
         attention_mask: torch.Tensor | None = None,  # [B, 1, Q, past + C + Q], bool (True = attend) or additive
         cache: Cache | None = None,
         output_hidden_states: bool = False,
+        dspark_loss_inputs: dict | None = None,
     ) -> DSparkModelOutput:
+        if dspark_loss_inputs is not None:
+            # The training objective runs inside forward() so data-parallel wrappers see every parameter's use.
+            from .loss import compute_dspark_loss
+
+            return compute_dspark_loss(self, **dspark_loss_inputs)
         bsz, q_len, _ = block_embeds.shape
         hidden = block_embeds.to(self.dtype)
         if context_features is not None and context_features.shape[1] > 0:

@@ -1,0 +1,130 @@
+"""Train a DSpark drafter for an embedded target on its regenerated responses (resumable).
+
+    python -m modeling_dspark.train --data data_cache/smollm2_regen.jsonl --output-dir runs/smollm2 \
+        --max-steps 600 --export checkpoints/dspark-smollm2-135m-instruct
+
+Checkpoints go to ``--output-dir`` every ``--save-steps``; rerunning the same command resumes from the last one.
+The held-out split (5 % of prompt ids, see ``data.split_holdout``) is kept out of training for calibration.
+Under ``accelerate launch`` the same script trains data parallel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .data import build_dataset, read_responses, split_holdout
+
+__all__ = ["main"]
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m-instruct")
+    p.add_argument("--data", required=True, help="regenerated responses (JSONL, optionally .gz)")
+    p.add_argument("--output-dir", required=True, help="Trainer checkpoints (resumed from when present)")
+    p.add_argument("--export", default=None, help="where to save the final drafter (bf16 save_pretrained folder)")
+    p.add_argument("--max-steps", type=int, default=600)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup-ratio", type=float, default=0.04)
+    p.add_argument("--num-anchors", type=int, default=32)
+    p.add_argument("--max-length", type=int, default=640)
+    p.add_argument("--save-steps", type=int, default=50)
+    p.add_argument("--block-size", type=int, default=7)
+    p.add_argument("--num-draft-layers", type=int, default=2)
+    p.add_argument("--markov-head", default="vanilla", help="vanilla, rnn or none (DFlash)")
+    p.add_argument("--markov-rank", type=int, default=64)
+    p.add_argument("--no-confidence-head", action="store_true")
+    p.add_argument("--ce-alpha", type=float, default=0.1)
+    p.add_argument("--l1-alpha", type=float, default=0.9)
+    p.add_argument("--confidence-alpha", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=42)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from . import DSparkModel, load_target
+    from .trainer import DSparkTrainer, DSparkTrainingArguments
+
+    args = build_arg_parser().parse_args(argv)
+    torch.manual_seed(args.seed)
+    target, tokenizer = load_target(args.target, dtype=torch.bfloat16)
+    rows = read_responses(args.data)
+    if not rows:
+        raise SystemExit(f"no regenerated responses in {args.data}; run python -m modeling_dspark.data first")
+    train_rows, held_out = split_holdout(rows)
+    dataset = build_dataset(train_rows, max_length=args.max_length).shuffle(seed=args.seed)
+    markov = None if args.markov_head == "none" else args.markov_head
+    drafter = DSparkModel.from_target(
+        target,
+        dtype=torch.float32,  # fp32 master weights; the frozen target runs in bf16
+        block_size=args.block_size,
+        num_draft_layers=args.num_draft_layers,
+        markov_head_type=markov,
+        markov_rank=args.markov_rank,
+        confidence_head=not args.no_confidence_head,
+        num_anchors=args.num_anchors,
+    )
+    out_dir = Path(args.output_dir)
+    training_args = DSparkTrainingArguments(
+        output_dir=str(out_dir),
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=args.lr,
+        warmup_steps=args.warmup_ratio,  # a float below 1 is a fraction of max_steps
+        lr_scheduler_type="cosine",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        logging_steps=10,
+        save_steps=args.save_steps,
+        save_total_limit=2,
+        report_to=[],
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
+        seed=args.seed,
+        ce_alpha=args.ce_alpha,
+        l1_alpha=args.l1_alpha,
+        confidence_alpha=args.confidence_alpha if not args.no_confidence_head else 0.0,
+        num_anchors=args.num_anchors,
+    )
+    trainer = DSparkTrainer(model=drafter, args=training_args, target=target, train_dataset=dataset)
+    last = get_last_checkpoint(str(out_dir)) if out_dir.is_dir() else None
+    start = time.time()
+    result = trainer.train(resume_from_checkpoint=last)
+    wall = time.time() - start
+    if args.export and trainer.is_world_process_zero():
+        export = Path(args.export)
+        trainer.model.to(torch.bfloat16).save_pretrained(export)
+        budget = {
+            "target": args.target,
+            "data": str(args.data),
+            "train_prompts": len(train_rows),
+            "held_out_prompts": len(held_out),
+            "train_sequences": len(dataset),
+            "train_response_tokens": int(sum(sum(m) for m in dataset["loss_mask"])),
+            "steps": result.global_step,
+            "batch_size": args.batch_size * args.grad_accum,
+            "anchors_per_sequence": args.num_anchors,
+            "sequences_seen": result.global_step * args.batch_size * args.grad_accum,
+            "wall_time_s_this_run": round(wall, 1),
+            "resumed_from": last,
+            "final_train_loss": result.training_loss,
+            "command": "python -m modeling_dspark.train " + " ".join(argv or __import__("sys").argv[1:]),
+            "log_history": trainer.state.log_history[-5:],
+        }
+        (export / "training_budget.json").write_text(json.dumps(budget, indent=2) + "\n")
+        print(f"saved drafter to {export}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""`DSparkTrainer`: a `transformers.Trainer` that trains a DSpark drafter against a frozen target (SPEC section 7).
+
+``trainer.model`` is the drafter, so the optimizer sees only its parameters and ``save_model()`` writes a
+drafter-only folder. The frozen target provides the context features and the target distributions; each
+batch samples ``num_anchors`` anchors per sequence and computes :func:`modeling_dspark.loss.compute_dspark_loss`.
+The DFlash baseline is the same trainer with ``ce_alpha=1, l1_alpha=0, confidence_alpha=0`` and a drafter
+without Markov and confidence heads.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from .loss import sample_anchor_positions
+
+__all__ = ["DSparkCollator", "DSparkTrainer", "DSparkTrainingArguments", "expected_tau"]
+
+
+@dataclass
+class DSparkTrainingArguments(TrainingArguments):
+    ce_alpha: float = field(default=0.1, metadata={"help": "weight of the cross-entropy term (Eq. 9)"})
+    l1_alpha: float = field(default=0.9, metadata={"help": "weight of the L1 / total-variation term (Eq. 10)"})
+    confidence_alpha: float = field(default=1.0, metadata={"help": "weight of the confidence BCE (Eq. 11)"})
+    loss_decay: float = field(default=4.0, metadata={"help": "position weights exp(-k / loss_decay), k 0-based"})
+    num_anchors: int | None = field(default=None, metadata={"help": "anchors per sequence (default: drafter config)"})
+    logits_chunk_size: int = field(default=64, metadata={"help": "blocks whose full-vocabulary logits exist at once"})
+    remove_unused_columns: bool = False  # the drafter's forward does not take the dataset's columns
+
+
+class DSparkCollator:
+    """Right-pads ``input_ids`` / ``loss_mask`` and adds ``attention_mask``."""
+
+    def __init__(self, pad_token_id: int = 0):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        width = max(len(r["input_ids"]) for r in rows)
+        def pad(values, fill):
+            return torch.tensor([list(v) + [fill] * (width - len(v)) for v in values])
+        return {
+            "input_ids": pad([r["input_ids"] for r in rows], self.pad_token_id),
+            "loss_mask": pad([r["loss_mask"] for r in rows], 0),
+            "attention_mask": pad([[1] * len(r["input_ids"]) for r in rows], 0),
+        }
+
+
+def expected_tau(accept_num: torch.Tensor, accept_den: torch.Tensor) -> float:
+    """Tau implied by the analytic per-position acceptance rates: ``1 + sum_k prod_{i<=k} (1 - 0.5 L1_i)``."""
+    rates = accept_num / accept_den.clamp(min=1)
+    return float(1.0 + torch.cumprod(rates, 0).sum())
+
+
+class DSparkTrainer(Trainer):
+    loss_is_scaled_for_ga = False  # compute_loss returns a per-batch normalised mean
+
+    def __init__(self, model=None, args: DSparkTrainingArguments | None = None, *, target=None, data_collator=None, **kwargs):
+        if target is None:
+            raise ValueError("DSparkTrainer needs the frozen target model: DSparkTrainer(model=drafter, target=target, ...)")
+        model.check_compatible(target)
+        if args is not None and not isinstance(args, DSparkTrainingArguments):
+            raise TypeError("DSparkTrainer takes DSparkTrainingArguments (it carries the loss weights)")
+        self.target = target.eval().requires_grad_(False)
+        pad = getattr(target.generation_config, "pad_token_id", None) or 0
+        super().__init__(model=model, args=args, data_collator=data_collator or DSparkCollator(pad), **kwargs)
+        self.target.to(self.args.device)
+        self._dspark_logs: dict[str, list] = defaultdict(list)
+
+    @torch.no_grad()
+    def target_features(self, input_ids, attention_mask):
+        """Context features of the drafter's layers and the target's final hidden states, frozen."""
+        layers = self.accelerator.unwrap_model(self.model).config.target_layer_ids
+        out = self.target.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        hidden = out.hidden_states
+        return torch.cat([hidden[i + 1] for i in layers], dim=-1), out.last_hidden_state
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        args = self.args
+        drafter = self.accelerator.unwrap_model(model)  # model may be a data-parallel wrapper
+        input_ids, loss_mask = inputs["input_ids"], inputs["loss_mask"]
+        if "target_hidden_states" in inputs:  # a precomputed target cache, as DeepSpec trains
+            features, last_hidden = inputs["target_hidden_states"], inputs["target_last_hidden_states"]
+        else:
+            features, last_hidden = self.target_features(input_ids, inputs.get("attention_mask"))
+        if "anchor_positions" in inputs:
+            anchors, keep = inputs["anchor_positions"], inputs["block_keep_mask"].bool()
+        else:
+            anchors, keep = sample_anchor_positions(loss_mask, args.num_anchors or drafter.config.num_anchors)
+        loss_inputs = dict(
+            input_ids=input_ids,
+            loss_mask=loss_mask,
+            context_features=features,
+            target_last_hidden=last_hidden,
+            input_embeddings=self.target.get_input_embeddings(),
+            lm_head=self.target.get_output_embeddings(),
+            anchors=anchors,
+            keep=keep,
+            ce_alpha=args.ce_alpha,
+            l1_alpha=args.l1_alpha,
+            confidence_alpha=args.confidence_alpha,
+            decay=args.loss_decay,
+            chunk_size=args.logits_chunk_size,
+            return_logits=return_outputs,
+        )
+        out = model(dspark_loss_inputs=loss_inputs)  # through the wrapper, so data parallelism syncs gradients
+        logs = self._dspark_logs
+        for name in ("ce_loss", "l1_loss", "confidence_loss"):
+            logs[name].append(float(getattr(out, name).detach()))
+        logs["accept_num"].append(out.accept_rate_num.detach().cpu())
+        logs["accept_den"].append(out.accept_rate_den.detach().cpu())
+        return (out.loss, out) if return_outputs else out.loss
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        pending = self._dspark_logs
+        if pending["ce_loss"]:
+            prefix = "eval_" if any(k.startswith("eval_") for k in logs) else ""
+            for name in ("ce_loss", "l1_loss", "confidence_loss"):
+                logs[prefix + name] = sum(pending[name]) / len(pending[name])
+            num, den = torch.stack(pending["accept_num"]).sum(0), torch.stack(pending["accept_den"]).sum(0)
+            logs[prefix + "expected_tau"] = expected_tau(num, den)
+            for k, rate in enumerate((num / den.clamp(min=1)).tolist()):
+                logs[f"{prefix}accept_rate@{k}"] = rate
+            pending.clear()
+        super().log(logs, *args, **kwargs)

@@ -1,0 +1,221 @@
+"""DSpark training: loss terms against a slow reference, masking, the Trainer, STS calibration."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+
+from modeling_dspark import DSparkModel
+from modeling_dspark.calibration import CalibrationRounds, calibration_metrics, sequential_temperature_scaling
+from modeling_dspark.loss import build_block_targets, compute_block_loss_terms, compute_dspark_loss, sample_anchor_positions
+from modeling_dspark.trainer import DSparkTrainer, DSparkTrainingArguments
+from tiny_models import bigram_target, tiny_drafter, tiny_target
+
+
+def tiny_batch(target, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, target.config.vocab_size, (2, 20), generator=g)
+    loss_mask = torch.zeros(2, 20, dtype=torch.long)
+    loss_mask[0, 5:20] = 1
+    loss_mask[1, 8:15] = 1  # the response ends before the sequence does (padding after it)
+    with torch.no_grad():
+        out = target.model(input_ids=input_ids, output_hidden_states=True)
+    return input_ids, loss_mask, out
+
+
+def slow_reference_loss(drafter, target, input_ids, loss_mask, hidden, anchors, keep, decay=4.0):
+    """Each kept block on its own (context = features before the anchor), every term from its formula."""
+    gamma = drafter.config.block_size
+    feats = drafter.context_features(hidden.hidden_states)
+    last = hidden.last_hidden_state
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    ce_num = l1_num = conf_num = den = 0.0
+    for b in range(input_ids.shape[0]):
+        for n in range(anchors.shape[1]):
+            if not keep[b, n]:
+                continue
+            p = int(anchors[b, n])
+            out = drafter(drafter.embed_block(input_ids[b, p : p + 1], embed), feats[b : b + 1, :p], torch.arange(p + gamma)[None])
+            h = out.last_hidden_state[0]
+            alive = True
+            for k in range(gamma):
+                label_pos = p + k + 1
+                alive = alive and label_pos < input_ids.shape[1] and bool(loss_mask[b, label_pos])
+                if not alive:
+                    break
+                prev = input_ids[b, p + k]  # teacher forcing: x_{k-1} is the true previous token
+                m = drafter.markov_head
+                logits = head(h[k]) + m.markov_w2.weight @ m.markov_w1.weight[prev]
+                p_d = torch.exp(logits - torch.logsumexp(logits, -1))
+                p_t = torch.softmax(head(last[b, p + k]), -1)
+                w = math.exp(-k / decay)
+                ce = -torch.log(p_d[input_ids[b, label_pos]])
+                l1 = (p_d - p_t).abs().sum()
+                c_star = min(max(1 - 0.5 * float(l1), 0.0), 1.0)
+                z = drafter.confidence_head.proj(torch.cat([h[k], m.markov_w1.weight[prev]]))[0]
+                bce = -(c_star * torch.log(torch.sigmoid(z)) + (1 - c_star) * torch.log(1 - torch.sigmoid(z)))
+                ce_num, l1_num, conf_num, den = ce_num + w * ce, l1_num + w * l1, conf_num + w * bce, den + w
+    return ce_num, l1_num, conf_num, den
+
+
+def test_loss_terms_match_slow_reference():
+    target = tiny_target(initializer_range=0.3)
+    drafter = tiny_drafter(target, block_size=4)
+    input_ids, loss_mask, hidden = tiny_batch(target)
+    anchors, keep = sample_anchor_positions(loss_mask, 6, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = compute_dspark_loss(
+            drafter, input_ids=input_ids, loss_mask=loss_mask, context_features=drafter.context_features(hidden.hidden_states),
+            target_last_hidden=hidden.last_hidden_state, input_embeddings=target.get_input_embeddings(),
+            lm_head=target.get_output_embeddings(), anchors=anchors, keep=keep, chunk_size=2,
+        )  # fmt: skip
+        ce, l1, conf, den = slow_reference_loss(drafter, target, input_ids, loss_mask, hidden, anchors, keep)
+    for ours, ref in [(out.ce_num, ce), (out.l1_num, l1), (out.confidence_num, conf), (out.weight_den, den)]:
+        torch.testing.assert_close(ours, torch.as_tensor(ref, dtype=torch.float32), atol=1e-4, rtol=1e-4)
+    total = 0.1 * ce / den + 0.9 * l1 / den + 1.0 * conf / den
+    torch.testing.assert_close(out.loss, torch.as_tensor(total, dtype=torch.float32), atol=1e-4, rtol=1e-4)
+
+
+def test_anchors_only_where_the_next_token_is_a_response_token():
+    _, loss_mask, _ = tiny_batch(tiny_target())
+    anchors, keep = sample_anchor_positions(loss_mask, 12, generator=torch.Generator().manual_seed(0))
+    for b in range(2):
+        for p, k in zip(anchors[b].tolist(), keep[b].tolist()):
+            if k:
+                assert loss_mask[b, p] and loss_mask[b, p + 1]
+        assert keep[b].sum() == min(12, int((loss_mask[b, :-1] & loss_mask[b, 1:]).sum()))
+    assert (anchors[1][~keep[1]] == 0).all() and anchors[0][keep[0]].tolist() == sorted(anchors[0][keep[0]].tolist())
+
+
+def test_block_labels_past_the_response_are_masked():
+    input_ids = torch.arange(20)[None]
+    loss_mask = torch.zeros(1, 20, dtype=torch.long)
+    loss_mask[0, 8:15] = 1
+    anchors, keep = torch.tensor([[12, 8]]), torch.tensor([[True, True]])
+    target_ids, eval_mask, prev_ids, _ = build_block_targets(input_ids, loss_mask, anchors, keep, 4)
+    assert eval_mask[0, 0].tolist() == [True, True, False, False]  # labels 13, 14 supervised; 15, 16 are not
+    assert eval_mask[0, 1].tolist() == [True, True, True, True]
+    assert target_ids[0, 1].tolist() == [9, 10, 11, 12] and prev_ids[0, 1].tolist() == [8, 9, 10, 11]
+    # a hole in the mask cuts the rest of the block (only a contiguous prefix counts)
+    loss_mask[0, 10] = 0
+    assert build_block_targets(input_ids, loss_mask, anchors, keep, 4)[1][0, 1].tolist() == [True, False, False, False]
+
+
+def test_confidence_target_carries_no_gradient():
+    torch.manual_seed(0)
+    draft = torch.randn(3, 4, 10, requires_grad=True)
+    target_logits, ids = torch.randn(3, 4, 10), torch.randint(0, 10, (3, 4))
+    conf = torch.randn(3, 4, requires_grad=True)
+    _, _, conf_num, _ = compute_block_loss_terms(draft, target_logits, ids, conf, torch.ones(3, 4))
+    conf_num.backward()
+    assert draft.grad is None and conf.grad is not None and conf.grad.abs().sum() > 0
+
+
+def test_sts_keeps_ranking_and_lowers_ece_on_overconfident_scores():
+    torch.manual_seed(0)
+    true_logit = torch.randn(3000, 5) * 1.5 + 0.5
+    accepted = torch.bernoulli(torch.sigmoid(true_logit)).cumprod(-1).sum(-1).long()
+    rounds = CalibrationRounds(true_logit * 3.0, accepted)  # over-confident
+    ones = [1.0] * 5
+    temps = sequential_temperature_scaling(rounds)
+    before, after = calibration_metrics(rounds, ones), calibration_metrics(rounds, temps)
+    assert all(t > 1 for t in temps)  # over-confidence is cooled
+    assert after["ece"] < before["ece"] / 3 and after["ece"] < 0.03
+    assert after["per_position"][0]["auroc"] == pytest.approx(before["per_position"][0]["auroc"], abs=1e-9)
+    for b, a in zip(before["per_position"], after["per_position"]):
+        assert a["ece"] <= b["ece"] + 1e-9
+
+
+def test_sts_does_not_touch_a_calibrated_head():
+    torch.manual_seed(1)
+    true_logit = torch.randn(3000, 4)
+    accepted = torch.bernoulli(torch.sigmoid(true_logit)).cumprod(-1).sum(-1).long()
+    temps = sequential_temperature_scaling(CalibrationRounds(true_logit, accepted))
+    assert all(0.7 < t < 1.4 for t in temps)
+
+
+def bigram_dataset(target, n=48, length=24, seed=0):
+    """Sequences sampled from a bigram target, so the drafter has something learnable."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    with torch.no_grad():
+        probs = torch.softmax(target(torch.arange(target.config.vocab_size)[:, None]).logits[:, 0], -1)
+    for _ in range(n):
+        ids = [int(torch.randint(1, target.config.vocab_size, (1,), generator=g))]
+        for _ in range(length - 1):
+            ids.append(int(torch.multinomial(probs[ids[-1]], 1, generator=g)))
+        rows.append({"input_ids": ids, "loss_mask": [0] * 4 + [1] * (length - 4)})
+    return Dataset.from_list(rows)
+
+
+def test_trainer_reduces_loss_and_saves_drafter_only(tmp_path):
+    target = bigram_target(initializer_range=0.3)
+    drafter = tiny_drafter(target, dtype=torch.float32).train()
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    args = DSparkTrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=60, learning_rate=1e-2, logging_steps=20,
+        report_to=[], use_cpu=True, num_anchors=8, save_strategy="no", seed=0,
+    )  # fmt: skip
+    data = bigram_dataset(target)
+    trainer = DSparkTrainer(model=drafter, args=args, target=target, train_dataset=data)
+    batch = trainer.data_collator([data[i] for i in range(8)])
+    batch["anchor_positions"], batch["block_keep_mask"] = sample_anchor_positions(batch["loss_mask"], 8, generator=torch.Generator().manual_seed(0))
+
+    def fixed_batch_loss():
+        with torch.no_grad():
+            return float(trainer.compute_loss(trainer.model, batch))
+
+    start = fixed_batch_loss()
+    trainer.train()
+    assert fixed_batch_loss() < 0.85 * start
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logs[-1]["loss"] < logs[0]["loss"] and logs[-1]["expected_tau"] > logs[0]["expected_tau"]
+    assert {"ce_loss", "l1_loss", "confidence_loss", "accept_rate@0"} <= set(logs[0])
+    assert all(p.grad is None for p in target.parameters())
+    assert any(not torch.equal(before[k], v) for k, v in drafter.state_dict().items())
+    trainer.save_model(str(tmp_path / "drafter"))
+    loaded = DSparkModel.from_pretrained(tmp_path / "drafter")
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k]), k
+    assert not any("embed_tokens" in k or "lm_head" in k for k in loaded.state_dict())
+
+
+def test_trainer_needs_a_target():
+    drafter = tiny_drafter(tiny_target())
+    with pytest.raises(ValueError, match="frozen target"):
+        DSparkTrainer(model=drafter, args=DSparkTrainingArguments(output_dir="/tmp/x", report_to=[], use_cpu=True))
+
+
+DDP_SCRIPT = '''
+import sys, torch, torch.distributed as dist
+sys.path[:0] = [{root!r}, {tests!r}]
+from modeling_dspark.trainer import DSparkTrainer, DSparkTrainingArguments
+from tiny_models import bigram_target, tiny_drafter
+from test_training import bigram_dataset
+target = bigram_target(initializer_range=0.3)
+drafter = tiny_drafter(target, dtype=torch.float32).train()
+args = DSparkTrainingArguments(output_dir={out!r}, per_device_train_batch_size=2, max_steps=4, learning_rate=1e-3,
+    report_to=[], use_cpu=True, num_anchors=4, save_strategy="no", ddp_backend="gloo", logging_steps=1)
+trainer = DSparkTrainer(model=drafter, args=args, target=target, train_dataset=bigram_dataset(target, n=16))
+trainer.train()
+assert dist.is_initialized() and dist.get_world_size() == 2 and dist.get_backend() == "gloo"
+w = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+gathered = [torch.zeros_like(w) for _ in range(2)]
+dist.all_gather(gathered, w)
+assert torch.equal(gathered[0], gathered[1]), "data-parallel replicas diverged"
+print("rank", dist.get_rank(), "ok", trainer.state.global_step)
+'''
+
+
+def test_two_process_data_parallel_training(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT.format(root=str(root), tests=str(root / "tests"), out=str(tmp_path / "out")))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533", str(script)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("ok 4") == 2
