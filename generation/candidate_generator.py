@@ -125,6 +125,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 "generate(assistant_model=<DSpark drafter>) needs an unpadded prompt (its attention_mask has zeros); "
                 "pass the prompt without padding."
             )
+        cache = (model_kwargs or {}).get("cache")
+        if cache is not None and cache.get_seq_length() > 0:
+            # Transformers' assisted prefill re-runs the whole prompt on top of it, and the drafter needs the
+            # prompt's hidden states anyway.
+            raise ValueError("generate(assistant_model=<DSpark drafter>) does not take a pre-filled cache; pass an empty one or none")
         drafter.check_compatible(target)
         cfg = drafter.config
         self.drafter = drafter

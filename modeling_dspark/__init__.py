@@ -23,12 +23,27 @@ from generation.hooks import install_generate_hook  # noqa: E402  (needs the cla
 
 install_generate_hook()
 
+_LAZY = {"DSparkCollator": "trainer", "DSparkTrainer": "trainer", "DSparkTrainingArguments": "trainer"}
+
+
+def __getattr__(name):
+    # the Trainer stack (accelerate, datasets) is imported only by those who train
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
+    "DSparkCollator",
     "DSparkConfidenceHead",
     "DSparkConfig",
     "DSparkModel",
     "DSparkModelOutput",
     "DSparkPreTrainedModel",
+    "DSparkTrainer",
+    "DSparkTrainingArguments",
     "KNOWN_TARGETS",
     "RNNMarkovHead",
     "VanillaMarkovHead",

@@ -168,29 +168,39 @@ def test_training_forward(fx, parity_report):
     close("train.confidence_pred (kept blocks)", drafter.confidence_logits(h, prev)[keep], ref["train.confidence_pred"][keep], parity_report)
 
 
-def test_training_loss(fx, parity_report):
-    from modeling_dspark.loss import build_loss_weights, compute_dspark_loss
+def fixture_trainer(target, drafter, settings, tmp_path):
+    from modeling_dspark.trainer import DSparkTrainer, DSparkTrainingArguments
+
+    args = DSparkTrainingArguments(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, logits_chunk_size=4,  # chunking must not change anything
+        ce_alpha=settings["ce_loss_alpha"], l1_alpha=settings["l1_loss_alpha"],
+        confidence_alpha=settings["confidence_head_alpha"], loss_decay=settings["loss_decay_gamma"],
+    )  # fmt: skip
+    return DSparkTrainer(model=drafter, args=args, target=target)
+
+
+def fixture_batch(ref):
+    """The fixture's batch with its target cache and anchors, which the trainer takes as given."""
+    return {
+        "input_ids": ref["train.input_ids"],
+        "loss_mask": ref["train.loss_mask"],
+        "attention_mask": ref["train.attention_mask"],
+        "target_hidden_states": ref["train.target_hidden_states"],
+        "target_last_hidden_states": ref["train.target_last_hidden_states"],
+        "anchor_positions": ref["train.anchor_positions"],
+        "block_keep_mask": ref["train.block_keep_mask"],
+    }
+
+
+def test_training_loss(fx, parity_report, tmp_path):
+    from modeling_dspark.loss import build_loss_weights
 
     ref, meta, target, drafter = fx
     keep = ref["train.block_keep_mask"].bool()
     settings = meta["training"]["loss_settings"]
-    out = compute_dspark_loss(
-        drafter,
-        input_ids=ref["train.input_ids"],
-        loss_mask=ref["train.loss_mask"],
-        context_features=ref["train.target_hidden_states"],
-        target_last_hidden=ref["train.target_last_hidden_states"],
-        input_embeddings=target.get_input_embeddings(),
-        lm_head=target.get_output_embeddings(),
-        anchors=ref["train.anchor_positions"],
-        keep=keep,
-        ce_alpha=settings["ce_loss_alpha"],
-        l1_alpha=settings["l1_loss_alpha"],
-        confidence_alpha=settings["confidence_head_alpha"],
-        decay=settings["loss_decay_gamma"],
-        chunk_size=4,  # chunking must not change anything
-        return_logits=True,
-    )
+    trainer = fixture_trainer(target, drafter, settings, tmp_path)
+    with torch.no_grad():
+        loss, out = trainer.compute_loss(drafter, fixture_batch(ref), return_outputs=True)
     assert torch.equal(out.eval_mask, ref["train.eval_mask"].bool())
     close("train.loss_weight_mask", build_loss_weights(out.eval_mask, settings["loss_decay_gamma"]), ref["train.loss_weight_mask"], parity_report)
     close("train.draft_logits (loss, kept)", out.draft_logits[keep], ref["train.draft_logits"][keep], parity_report)
@@ -204,35 +214,23 @@ def test_training_loss(fx, parity_report):
         (out.ce_loss, "train.ce_loss"),
         (out.l1_loss, "train.l1_loss"),
         (out.confidence_loss, "train.confidence_loss"),
-        (out.loss, "train.total_loss"),
+        (loss, "train.total_loss"),
     ]:
         close(name, ours, ref[name], parity_report)
 
 
-def test_training_gradients(fx, parity_report):
-    """Supplementary: gradients of the total loss (DeepSpec's eager dense-mask pass) through our chunked,
-    checkpointed loss."""
+def test_training_gradients(fx, parity_report, tmp_path):
+    """Supplementary: gradients of the total loss (DeepSpec's eager dense-mask pass) through DSparkTrainer's
+    chunked, checkpointed loss."""
     import copy
-
-    from modeling_dspark.loss import compute_dspark_loss
 
     ref, meta, target, drafter = fx
     drafter = copy.deepcopy(drafter).train()
-    target = copy.deepcopy(target).requires_grad_(False)  # the target (embedding, LM head) is frozen in training
-    out = compute_dspark_loss(
-        drafter,
-        input_ids=ref["train.input_ids"],
-        loss_mask=ref["train.loss_mask"],
-        context_features=ref["train.target_hidden_states"],
-        target_last_hidden=ref["train.target_last_hidden_states"],
-        input_embeddings=target.get_input_embeddings(),
-        lm_head=target.get_output_embeddings(),
-        anchors=ref["train.anchor_positions"],
-        keep=ref["train.block_keep_mask"].bool(),
-        chunk_size=3,
-    )
-    out.loss.backward()
+    target = copy.deepcopy(target)
+    trainer = fixture_trainer(target, drafter, meta["training"]["loss_settings"], tmp_path)
+    trainer.args.logits_chunk_size = 3
+    trainer.compute_loss(drafter, fixture_batch(ref)).backward()
     params = dict(drafter.named_parameters())
     for name in meta["training"]["gradient_params"]:
         close(f"grad.{name}", params[name].grad, ref[f"grad.{name}"], parity_report)
-    assert target.get_output_embeddings().weight.grad is None and target.get_input_embeddings().weight.grad is None
+    assert all(p.grad is None for p in target.parameters())  # the trainer froze the target

@@ -193,3 +193,25 @@ def test_last_stats_counts_rounds():
     assert stats.tau == pytest.approx(produced / stats.num_rounds)
     assert all(r.verified == r.drafted for r in stats.rounds)
     assert isinstance(stats, generation.DSparkGenerationStats) and stats.as_dict()["num_rounds"] == stats.num_rounds
+
+
+def test_prefilled_cache_is_a_clear_error():
+    from transformers import DynamicCache
+
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    ids = prompts(96)[1]
+    cache = DynamicCache()
+    with torch.no_grad():
+        target(ids[:, :-1], cache=cache)
+    with pytest.raises(ValueError, match="pre-filled cache"):
+        target.generate(ids, cache=cache, max_new_tokens=8, do_sample=False, assistant_model=drafter)
+
+
+def test_static_cache_works():
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    ids = prompts(96)[0]
+    ref = target.generate(ids, do_sample=False, max_new_tokens=20)
+    out = target.generate(ids, do_sample=False, max_new_tokens=20, assistant_model=drafter, cache_implementation="static")
+    assert torch.equal(ref, out)

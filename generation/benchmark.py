@@ -1,0 +1,122 @@
+"""Measure a drafter through ``target.generate(assistant_model=drafter)``: tau at temperature 1 (the paper's
+protocol: chain drafting, fixed block, first turn only) and the wall-clock speed-up over plain greedy
+``generate()`` at batch size 1, on seeded subsamples of the eval benchmarks.
+
+    python -m generation.benchmark --drafter checkpoints/dspark-smollm2-135m-instruct --num-prompts 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["load_eval_prompts", "measure_speed", "measure_tau"]
+
+EVAL_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
+PAPER_SEED = 980406  # DeepSpec's eval.py: random.Random(seed).shuffle(rows), then the first n
+
+
+def load_eval_prompts(name: str, num_prompts: int, *, eval_dir: str | Path = EVAL_DIR, seed: int = PAPER_SEED) -> list[dict]:
+    rows = [json.loads(line) for line in (Path(eval_dir) / f"{name}.jsonl").open(encoding="utf-8")]
+    random.Random(seed).shuffle(rows)
+    return rows[:num_prompts]
+
+
+def _chat_ids(tokenizer, prompt: str) -> torch.Tensor:
+    messages = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+
+
+@torch.no_grad()
+def measure_tau(target, drafter, tokenizer, prompts: list[dict], *, max_new_tokens: int = 128, seed: int = 0) -> dict:
+    """Pooled tau (sum of accepted + 1 over all rounds / rounds) and per-position prefix survival."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+        pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, dspark_truncation="fixed",
+    )  # fmt: skip
+    gamma = drafter.config.block_size
+    produced = rounds = 0
+    survived = [0] * gamma
+    offered = [0] * gamma
+    for i, row in enumerate(prompts):
+        torch.manual_seed(seed + i)
+        target.generate(_chat_ids(tokenizer, row["prompt"]), generation_config=config, assistant_model=drafter)
+        for r in drafter.last_stats.rounds:
+            produced += r.accepted + 1
+            rounds += 1
+            for k in range(r.verified):
+                offered[k] += 1
+                survived[k] += r.accepted > k
+    return {
+        "tau": produced / rounds if rounds else float("nan"),
+        "rounds": rounds,
+        "prefix_acceptance": [s / o if o else float("nan") for s, o in zip(survived, offered)],
+    }
+
+
+@torch.no_grad()
+def measure_speed(target, drafter, tokenizer, prompts: list[dict], *, max_new_tokens: int = 128) -> dict:
+    """Greedy tokens/s of plain ``generate()`` and of DSpark, same prompts, same dtype, batch size 1."""
+    plain_tokens = plain_time = ds_tokens = ds_time = 0.0
+    ratios = []
+    common = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    warm = _chat_ids(tokenizer, "Hello!")
+    target.generate(warm, **{**common, "max_new_tokens": 8})
+    target.generate(warm, assistant_model=drafter, **{**common, "max_new_tokens": 8})
+    for row in prompts:
+        ids = _chat_ids(tokenizer, row["prompt"])
+        start = time.perf_counter()
+        plain = target.generate(ids, **common)
+        t_plain = time.perf_counter() - start
+        start = time.perf_counter()
+        ds = target.generate(ids, assistant_model=drafter, **common)
+        t_ds = time.perf_counter() - start
+        n_plain, n_ds = plain.shape[1] - ids.shape[1], ds.shape[1] - ids.shape[1]
+        plain_tokens, plain_time, ds_tokens, ds_time = plain_tokens + n_plain, plain_time + t_plain, ds_tokens + n_ds, ds_time + t_ds
+        ratios.append((n_ds / t_ds) / (n_plain / t_plain))
+    return {
+        "plain_tokens_per_s": plain_tokens / plain_time,
+        "dspark_tokens_per_s": ds_tokens / ds_time,
+        "speedup": (ds_tokens / ds_time) / (plain_tokens / plain_time),
+        "speedup_median_per_prompt": statistics.median(ratios),
+        "speedup_min_max_per_prompt": [min(ratios), max(ratios)],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from modeling_dspark import DSparkModel, load_target
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drafter", required=True)
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--benchmarks", nargs="+", default=["gsm8k", "humaneval", "mt-bench"])
+    parser.add_argument("--num-prompts", type=int, default=20)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--out", default=None, help="JSON file for the results")
+    args = parser.parse_args(argv)
+    target, tokenizer = load_target(args.target, dtype=torch.bfloat16)
+    drafter = DSparkModel.from_pretrained(args.drafter, dtype=torch.bfloat16).eval()
+    results = {"command": "python -m generation.benchmark " + " ".join(argv or __import__("sys").argv[1:]), "benchmarks": {}}
+    for name in args.benchmarks:
+        prompts = load_eval_prompts(name, args.num_prompts)
+        tau = measure_tau(target, drafter, tokenizer, prompts, max_new_tokens=args.max_new_tokens)
+        speed = measure_speed(target, drafter, tokenizer, prompts, max_new_tokens=args.max_new_tokens)
+        results["benchmarks"][name] = {"prompts": len(prompts), **tau, **speed}
+        print(f"{name:>10}: tau {tau['tau']:.2f} (T=1, block {drafter.config.block_size}, fixed) | greedy "
+              f"{speed['plain_tokens_per_s']:.1f} -> {speed['dspark_tokens_per_s']:.1f} tok/s = {speed['speedup']:.2f}x", flush=True)  # fmt: skip
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
