@@ -111,8 +111,13 @@ def calibration_metrics(rounds: CalibrationRounds, temperatures, num_bins: int =
     return {"per_position": per, "ece": mean("ece"), "auroc": mean("auroc"), "brier": mean("brier")}
 
 
-def sequential_temperature_scaling(rounds: CalibrationRounds, grid: torch.Tensor = DEFAULT_GRID, num_bins: int = 20) -> list[float]:
-    """Fit ``T_1..T_B`` in order, each by a 1-D grid search minimising the ECE of the survival at its position."""
+def sequential_temperature_scaling(
+    rounds: CalibrationRounds, grid: torch.Tensor = DEFAULT_GRID, num_bins: int = 20, min_each_class: int = 20
+) -> list[float]:
+    """Fit ``T_1..T_B`` in order, each by a 1-D grid search minimising the ECE of the survival at its position.
+
+    A position with fewer than ``min_each_class`` accepted or rejected prefixes carries no information about a
+    temperature (any T that pushes the survival to the majority label wins); it keeps ``T = 1``."""
     logits, labels, valid = rounds.logits.double(), rounds.labels().double(), rounds.valid()
     num_slots = logits.shape[1]
     temps = [1.0] * num_slots
@@ -122,6 +127,9 @@ def sequential_temperature_scaling(rounds: CalibrationRounds, grid: torch.Tensor
         if sel.sum() == 0:
             continue
         z, y, before = logits[sel, k], labels[sel, k], prefix[sel]
+        if min(int(y.sum()), int((1 - y).sum())) < min_each_class:
+            prefix = prefix * torch.sigmoid(logits[:, k].nan_to_num(0.0))
+            continue
         scores = [expected_calibration_error(before * torch.sigmoid(z / t), y, num_bins) for t in grid.tolist()]
         temps[k] = float(grid[int(torch.tensor(scores).argmin())])
         prefix = prefix * torch.sigmoid(logits[:, k].nan_to_num(0.0) / temps[k])

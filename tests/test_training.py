@@ -130,6 +130,14 @@ def test_sts_keeps_ranking_and_lowers_ece_on_overconfident_scores():
         assert a["ece"] <= b["ece"] + 1e-9
 
 
+def test_sts_leaves_uninformative_positions_alone():
+    torch.manual_seed(2)
+    logits = torch.randn(500, 3) * 2
+    accepted = torch.bernoulli(torch.full((500,), 0.5)).long()  # slot 1 sometimes accepted, slots 2-3 never
+    temps = sequential_temperature_scaling(CalibrationRounds(logits, accepted))
+    assert temps[1:] == [1.0, 1.0]
+
+
 def test_sts_does_not_touch_a_calibrated_head():
     torch.manual_seed(1)
     true_logit = torch.randn(3000, 4)
