@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["load_eval_prompts", "measure_speed", "measure_tau"]
+__all__ = ["chat_input_ids", "load_eval_prompts", "measure_speed", "measure_tau", "verified_rounds"]
 
 EVAL_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
 PAPER_SEED = 980406  # DeepSpec's eval.py: random.Random(seed).shuffle(rows), then the first n
@@ -28,33 +28,44 @@ def load_eval_prompts(name: str, num_prompts: int, *, eval_dir: str | Path = EVA
     return rows[:num_prompts]
 
 
-def _chat_ids(tokenizer, prompt: str) -> torch.Tensor:
-    messages = [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+def chat_input_ids(tokenizer, prompt: str) -> torch.Tensor:
+    """[1, L] prompt ids with the target's chat template (first turn only, as in the paper)."""
+    from modeling_dspark.data import chat_prompt_ids
+
+    return torch.tensor([chat_prompt_ids(tokenizer, prompt)])
 
 
 @torch.no_grad()
-def measure_tau(target, drafter, tokenizer, prompts: list[dict], *, max_new_tokens: int = 128, seed: int = 0) -> dict:
-    """Pooled tau (sum of accepted + 1 over all rounds / rounds) and per-position prefix survival."""
+def verified_rounds(target, drafter, prompt_ids: list[list[int]], *, max_new_tokens: int, seed: int = 0, progress: bool = False):
+    """Every round of drafting and verifying on ``prompt_ids`` with the paper's protocol (temperature 1, no
+    top-k/top-p, full blocks); prompt i runs under seed ``seed + i``. Shared by tau measurement and calibration."""
+    from tqdm.auto import tqdm
     from transformers import GenerationConfig
 
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-        pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, dspark_truncation="fixed",
+        pad_token_id=target.generation_config.pad_token_id, eos_token_id=target.generation_config.eos_token_id,
+        dspark_truncation="fixed",
     )  # fmt: skip
+    for i, ids in enumerate(tqdm(prompt_ids, desc="drafting + verifying", disable=not progress)):
+        torch.manual_seed(seed + i)
+        target.generate(torch.tensor([ids]), generation_config=config, assistant_model=drafter)
+        yield from drafter.last_stats.rounds
+
+
+def measure_tau(target, drafter, tokenizer, prompts: list[dict], *, max_new_tokens: int = 128, seed: int = 0) -> dict:
+    """Pooled tau (sum of accepted + 1 over all rounds / rounds) and per-position prefix survival."""
     gamma = drafter.config.block_size
     produced = rounds = 0
     survived = [0] * gamma
     offered = [0] * gamma
-    for i, row in enumerate(prompts):
-        torch.manual_seed(seed + i)
-        target.generate(_chat_ids(tokenizer, row["prompt"]), generation_config=config, assistant_model=drafter)
-        for r in drafter.last_stats.rounds:
-            produced += r.accepted + 1
-            rounds += 1
-            for k in range(r.verified):
-                offered[k] += 1
-                survived[k] += r.accepted > k
+    prompt_ids = [chat_input_ids(tokenizer, row["prompt"])[0].tolist() for row in prompts]
+    for r in verified_rounds(target, drafter, prompt_ids, max_new_tokens=max_new_tokens, seed=seed):
+        produced += r.accepted + 1
+        rounds += 1
+        for k in range(r.verified):
+            offered[k] += 1
+            survived[k] += r.accepted > k
     return {
         "tau": produced / rounds if rounds else float("nan"),
         "rounds": rounds,
@@ -68,11 +79,11 @@ def measure_speed(target, drafter, tokenizer, prompts: list[dict], *, max_new_to
     plain_tokens = plain_time = ds_tokens = ds_time = 0.0
     ratios = []
     common = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    warm = _chat_ids(tokenizer, "Hello!")
+    warm = chat_input_ids(tokenizer, "Hello!")
     target.generate(warm, **{**common, "max_new_tokens": 8})
     target.generate(warm, assistant_model=drafter, **{**common, "max_new_tokens": 8})
     for row in prompts:
-        ids = _chat_ids(tokenizer, row["prompt"])
+        ids = chat_input_ids(tokenizer, row["prompt"])
         start = time.perf_counter()
         plain = target.generate(ids, **common)
         t_plain = time.perf_counter() - start

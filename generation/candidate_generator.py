@@ -26,8 +26,7 @@ __all__ = ["DSparkCandidateGenerator", "DraftProposal", "propose_block"]
 class DraftProposal:
     tokens: torch.LongTensor  # [1, k] drafted tokens, k may be 0
     logits: torch.Tensor | None  # [1, k, V] float32 processed logits the tokens were sampled from (q)
-    confidences: torch.Tensor  # [k'] calibrated c_j of every slot whose confidence was computed (k' >= k)
-    confidence_logits: torch.Tensor  # [k'] the same before temperature scaling (what calibration fits)
+    confidence_logits: torch.Tensor  # [k'] raw c_j logits of every slot whose confidence was computed (k' >= k)
 
 
 def propose_block(
@@ -54,17 +53,15 @@ def propose_block(
     h = hidden_states[0, :max_tokens]  # [k_max, d]
     prev = anchor_ids  # [1]
     survival = 1.0
-    confidences, raw_confidences, tokens, logits = [], [], [], []
+    raw_confidences, tokens, logits = [], [], []
     base = None
     state = markov.initial_state(h[:1]) if markov is not None else None
     ids = prefix_ids
     for k in range(max_tokens):
         if use_confidence:
             z_k = drafter.confidence_logits(h[k : k + 1], prev)
-            c_k = drafter.calibrated_confidence(z_k, position=k)
             raw_confidences.append(z_k)
-            confidences.append(c_k)
-            survival = survival * float(c_k)
+            survival = survival * float(drafter.calibrated_confidence(z_k, position=k))
             if truncation == "threshold" and survival < threshold:
                 break
         if base is None:  # one LM-head matmul for the block, skipped when slot 1 is already truncated
@@ -84,12 +81,10 @@ def propose_block(
         prev = token
         if eos_token_ids is not None and torch.isin(token, eos_token_ids).any():
             break  # nothing after an end-of-sequence token can be accepted
-    empty = h.new_empty(0, dtype=torch.float32)
     return DraftProposal(
         tokens=torch.stack(tokens, dim=1) if tokens else prefix_ids.new_empty(1, 0),
         logits=torch.stack(logits, dim=1) if tokens else None,
-        confidences=torch.cat(confidences) if confidences else empty,
-        confidence_logits=torch.cat(raw_confidences) if raw_confidences else empty,
+        confidence_logits=torch.cat(raw_confidences) if raw_confidences else h.new_empty(0, dtype=torch.float32),
     )
 
 

@@ -27,6 +27,8 @@ def cmd_generate(args) -> int:
 
     from modeling_dspark import DSparkModel, load_target
 
+    from .benchmark import chat_input_ids
+
     drafter_path = Path(args.drafter) if args.drafter else SHIPPED_DRAFTER
     if args.drafter and not drafter_path.is_dir():
         print(f"error: drafter folder {drafter_path} does not exist", file=sys.stderr)
@@ -42,8 +44,7 @@ def cmd_generate(args) -> int:
     else:
         drafter = DSparkModel.from_target(target, num_draft_layers=2, markov_rank=64).eval()
         source = "random (untrained: expect tau near 1 and a speed-up below 1)"
-    messages = [{"role": "user", "content": args.prompt}]
-    input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    input_ids = chat_input_ids(tokenizer, args.prompt)
     sampling = dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0) if args.temperature > 0 else dict(do_sample=False)
     common = dict(max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.eos_token_id, **sampling)
 

@@ -136,28 +136,18 @@ def sequential_temperature_scaling(
     return temps
 
 
-@torch.no_grad()
 def collect_rounds(target, drafter, prompt_ids: list[list[int]], *, max_new_tokens: int = 96, seed: int = 0, progress: bool = True) -> CalibrationRounds:
-    """Draft and verify on ``prompt_ids`` (temperature 1, full blocks, no top-k/top-p) and keep every round."""
-    from tqdm.auto import tqdm
-    from transformers import GenerationConfig
+    """Draft and verify on ``prompt_ids`` (temperature 1, full blocks, no top-k/top-p) and keep every drafted round."""
+    from generation.benchmark import verified_rounds
 
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-        pad_token_id=target.generation_config.pad_token_id, eos_token_id=target.generation_config.eos_token_id,
-        dspark_truncation="fixed",
-    )  # fmt: skip
     gamma = drafter.config.block_size
     logits, accepted = [], []
-    for i, ids in enumerate(tqdm(prompt_ids, desc="drafting + verifying", disable=not progress)):
-        torch.manual_seed(seed + i)
-        target.generate(torch.tensor([ids]), generation_config=config, assistant_model=drafter)
-        for r in drafter.last_stats.rounds:
-            if r.drafted:
-                row = torch.full((gamma,), float("nan"))
-                row[: len(r.confidence_logits)] = torch.tensor(r.confidence_logits)
-                logits.append(row)
-                accepted.append(r.accepted)
+    for r in verified_rounds(target, drafter, prompt_ids, max_new_tokens=max_new_tokens, seed=seed, progress=progress):
+        if r.drafted:
+            row = torch.full((gamma,), float("nan"))
+            row[: len(r.confidence_logits)] = torch.tensor(r.confidence_logits)
+            logits.append(row)
+            accepted.append(r.accepted)
     return CalibrationRounds(torch.stack(logits), torch.tensor(accepted))
 
 

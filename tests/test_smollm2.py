@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import modeling_dspark
+from generation.benchmark import chat_input_ids as chat_ids
 from generation.cli import main as cli_main
 from modeling_dspark import DSparkModel, load_target
 
@@ -20,11 +21,6 @@ pytestmark = pytest.mark.smollm2
 @pytest.fixture(scope="module")
 def smollm2_fp32():
     return load_target("smollm2-135m-instruct", dtype=torch.float32)
-
-
-def chat_ids(tokenizer, prompt):
-    messages = [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
 
 
 def test_random_drafter_greedy_identical_fp32(smollm2_fp32):
