@@ -7,19 +7,31 @@ from .hooks import (
     dspark_generate,
     install_generate_hook,
     is_dspark_drafter,
+    is_hidden_state_drafter,
     uninstall_generate_hook,
 )
+from .eagle3_candidate_generator import Eagle3CandidateGenerator
+from .engine import DSparkEngine, EngineRequest
+from .profiler import plot_cost_table, profile_sps
+from .scheduler import CostTable
 from .stats import DSparkGenerationStats, DSparkRound
 
 __all__ = [
+    "CostTable",
     "DSparkCandidateGenerator",
+    "DSparkEngine",
+    "EngineRequest",
     "DSparkGenerationStats",
     "DSparkRound",
+    "Eagle3CandidateGenerator",
     "DraftProposal",
     "TESTED_TRANSFORMERS",
     "dspark_generate",
     "install_generate_hook",
     "is_dspark_drafter",
+    "is_hidden_state_drafter",
+    "plot_cost_table",
+    "profile_sps",
     "propose_block",
     "uninstall_generate_hook",
 ]

@@ -11,6 +11,7 @@ sampled from, so Transformers' speculative sampling stays lossless at temperatur
 from __future__ import annotations
 
 from dataclasses import dataclass
+import time
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from .stats import DSparkGenerationStats, DSparkRound
 
-__all__ = ["DSparkCandidateGenerator", "DraftProposal", "propose_block"]
+__all__ = ["DSparkCandidateGenerator", "DraftProposal", "HiddenStateCandidateGenerator", "check_assisted_inputs", "propose_block"]
 
 
 @dataclass
@@ -88,15 +89,70 @@ def propose_block(
     )
 
 
-class DSparkCandidateGenerator(CandidateGenerator):
+
+def check_assisted_inputs(input_ids: torch.LongTensor, model_kwargs: dict | None, kind: str = "DSpark") -> None:
+    """Refuse what assisted decoding with a hidden-state drafter cannot serve correctly."""
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"generate(assistant_model=<{kind} drafter>) supports batch size 1 only (got {input_ids.shape[0]}): "
+            "Transformers' assisted decoding verifies one sequence at a time. Serve several requests with "
+            "the batched engine, generation.DSparkEngine."
+        )
+    mask = (model_kwargs or {}).get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise ValueError(
+            f"generate(assistant_model=<{kind} drafter>) needs an unpadded prompt (its attention_mask has zeros); "
+            "pass the prompt without padding."
+        )
+    cache = (model_kwargs or {}).get("cache")
+    if cache is not None and cache.get_seq_length() > 0:
+        # Transformers' assisted prefill re-runs the whole prompt on top of it, and the drafter needs the
+        # prompt's hidden states anyway.
+        raise ValueError(f"generate(assistant_model=<{kind} drafter>) does not take a pre-filled cache; pass an empty one or none")
+
+
+
+class HiddenStateCandidateGenerator(CandidateGenerator):
+    """What DSpark and Eagle3 drafting share: input checks, the target's embedding / LM head and feature layers,
+    sampling settings, the draft cache and the per-round statistics in ``drafter.last_stats``."""
+
+    requires_model_outputs: bool = True
+    kind = "DSpark"
+
+    def __init__(self, *, target, drafter, generation_config, input_ids, model_kwargs=None, logits_processor=None):
+        check_assisted_inputs(input_ids, model_kwargs, kind=self.kind)
+        drafter.check_compatible(target)
+        self.drafter = drafter
+        self.lm_head = target.get_output_embeddings()
+        self.input_embeddings = target.get_input_embeddings()
+        self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in drafter.config.target_layer_ids]}
+        num_tokens = getattr(generation_config, "dspark_num_draft_tokens", None)
+        block = drafter.config.block_size
+        self.num_draft_tokens = block if num_tokens is None else int(num_tokens)
+        if not 0 <= self.num_draft_tokens <= block:
+            raise ValueError(f"dspark_num_draft_tokens must be in [0, {block}], got {self.num_draft_tokens}")
+        self.do_sample = bool(generation_config.do_sample)
+        self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
+        self.eos_token_ids = getattr(generation_config, "_eos_token_tensor", None)
+        self.max_length = generation_config.max_length
+        self.cache = DynamicCache()
+        self.stats = DSparkGenerationStats()
+        drafter.last_stats = self.stats
+        self._pending_round: DSparkRound | None = None
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
+        if self._pending_round is not None:
+            self._pending_round.accepted = int(num_matches)
+            self.stats.rounds.append(self._pending_round)
+            self._pending_round = None
+
+
+class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
     """Drafts DSpark blocks for ``target.generate(..., assistant_model=drafter)`` (batch size 1).
 
     Settings come from the drafter's config and can be overridden per call through custom
     `GenerationConfig` attributes: ``dspark_truncation`` (`"fixed"` | `"threshold"`),
     ``dspark_confidence_threshold`` (float) and ``dspark_num_draft_tokens`` (int, at most ``block_size``)."""
-
-    requires_model_outputs: bool = True
-    model_kwargs_overrides: dict[str, Any] = {"output_hidden_states": True}
 
     def __init__(
         self,
@@ -108,48 +164,18 @@ class DSparkCandidateGenerator(CandidateGenerator):
         model_kwargs: dict[str, Any] | None = None,
         logits_processor=None,
     ):
-        if input_ids.shape[0] != 1:
-            raise ValueError(
-                f"generate(assistant_model=<DSpark drafter>) supports batch size 1 only (got {input_ids.shape[0]}): "
-                "Transformers' assisted decoding verifies one sequence at a time. Serve several requests with "
-                "the batched engine, generation.DSparkEngine."
-            )
-        mask = (model_kwargs or {}).get("attention_mask")
-        if mask is not None and not bool(mask.all()):
-            raise ValueError(
-                "generate(assistant_model=<DSpark drafter>) needs an unpadded prompt (its attention_mask has zeros); "
-                "pass the prompt without padding."
-            )
-        cache = (model_kwargs or {}).get("cache")
-        if cache is not None and cache.get_seq_length() > 0:
-            # Transformers' assisted prefill re-runs the whole prompt on top of it, and the drafter needs the
-            # prompt's hidden states anyway.
-            raise ValueError("generate(assistant_model=<DSpark drafter>) does not take a pre-filled cache; pass an empty one or none")
-        drafter.check_compatible(target)
+        super().__init__(
+            target=target, drafter=drafter, generation_config=generation_config, input_ids=input_ids,
+            model_kwargs=model_kwargs, logits_processor=logits_processor,
+        )  # fmt: skip
         cfg = drafter.config
-        self.drafter = drafter
-        self.lm_head = target.get_output_embeddings()
-        self.input_embeddings = target.get_input_embeddings()
-        self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in cfg.target_layer_ids]}
         self.truncation = getattr(generation_config, "dspark_truncation", None) or cfg.truncation
         threshold = getattr(generation_config, "dspark_confidence_threshold", None)
         self.threshold = cfg.confidence_threshold if threshold is None else float(threshold)
-        num_tokens = getattr(generation_config, "dspark_num_draft_tokens", None)
-        self.num_draft_tokens = cfg.block_size if num_tokens is None else int(num_tokens)
         if self.truncation not in ("fixed", "threshold"):
             raise ValueError(f"dspark_truncation must be 'fixed' or 'threshold', got {self.truncation!r}")
-        if not 0 <= self.num_draft_tokens <= cfg.block_size:
-            raise ValueError(f"dspark_num_draft_tokens must be in [0, block_size={cfg.block_size}], got {self.num_draft_tokens}")
         if self.truncation == "threshold" and self.threshold > 0 and drafter.confidence_head is None:
             raise ValueError("confidence-threshold truncation needs a drafter with a confidence head")
-        self.do_sample = bool(generation_config.do_sample)
-        self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
-        self.eos_token_ids = getattr(generation_config, "_eos_token_tensor", None)
-        self.max_length = generation_config.max_length
-        self.cache = DynamicCache()
-        self.stats = DSparkGenerationStats()
-        drafter.last_stats = self.stats
-        self._pending_round: DSparkRound | None = None
 
     @torch.no_grad()
     def get_candidates(
@@ -163,6 +189,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
         if is_first_iteration:
             return input_ids, None  # the target's prefill runs first; drafting needs its hidden states
+        start = time.perf_counter()
         # Room left for drafts plus the bonus token. When it is gone, this is the last round, so the drafter's
         # context does not need to be brought up to date.
         max_tokens = min(self.num_draft_tokens, self.max_length - input_ids.shape[1] - 1)
@@ -206,13 +233,12 @@ class DSparkCandidateGenerator(CandidateGenerator):
             eos_token_ids=self.eos_token_ids,
         )
         drafted = proposal.tokens.shape[1]
-        self._pending_round = DSparkRound(drafted=drafted, verified=drafted, confidence_logits=proposal.confidence_logits[:drafted].tolist())
+        self._pending_round = DSparkRound(
+            drafted=drafted,
+            verified=drafted,
+            confidence_logits=proposal.confidence_logits[:drafted].tolist(),
+            draft_seconds=time.perf_counter() - start,
+        )
         if drafted == 0:
             return input_ids, None
         return torch.cat([input_ids, proposal.tokens.to(input_ids.device)], dim=-1), proposal.logits
-
-    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
-        if self._pending_round is not None:
-            self._pending_round.accepted = int(num_matches)
-            self.stats.rounds.append(self._pending_round)
-            self._pending_round = None

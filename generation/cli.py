@@ -1,5 +1,6 @@
 """``dspark`` command line: ``dspark generate`` runs DSpark on the embedded default target and reports tau and the
-speed-up over plain ``generate()`` in the same dtype."""
+speed-up over plain ``generate()`` in the same dtype; the other sub-commands run the workflow's modules
+(``dspark <command> --help`` shows each one's options)."""
 
 from __future__ import annotations
 
@@ -72,9 +73,24 @@ def cmd_generate(args) -> int:
     return 0
 
 
+# sub-command -> (module whose main(argv) it runs, help)
+WORKFLOW = {
+    "prepare-data": ("modeling_dspark.data", "let the target regenerate its responses to the training prompts"),
+    "train": ("modeling_dspark.train", "train a DSpark, DFlash or Eagle3 drafter (resumable)"),
+    "calibrate": ("modeling_dspark.calibration", "Sequential Temperature Scaling of a drafter's confidence head"),
+    "adapt": ("modeling_dspark.adapt", "LoRA-adapt a trained drafter to a new domain with PEFT"),
+    "eval": ("generation.harness", "the paper's tau evaluation on the nine benchmarks, tables and plots"),
+    "bench": ("generation.speed", "wall-clock speed at batch size 1 against plain generate() and prompt lookup"),
+    "load": ("generation.load_benchmark", "batched engine throughput under load for every scheduler"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding for Transformers")
     sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in WORKFLOW.items():
+        # the module parses its own options (and its own --help)
+        sub.add_parser(name, help=help_text, add_help=False).set_defaults(module=module)
     gen = sub.add_parser("generate", help="DSpark generation on an embedded target, with tau and the speed-up")
     gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help="user message (chat template applied)")
     gen.add_argument("--target", default="smollm2-135m-instruct", help="embedded target name")
@@ -90,7 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, rest = build_parser().parse_known_args(argv)
+    if getattr(args, "module", None):
+        import importlib
+
+        return importlib.import_module(args.module).main(rest)
+    if rest:
+        build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
     return args.func(args)
 
 

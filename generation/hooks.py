@@ -21,7 +21,9 @@ __all__ = [
     "TESTED_TRANSFORMERS",
     "dspark_generate",
     "install_generate_hook",
+    "DRAFTER_GENERATORS",
     "is_dspark_drafter",
+    "is_hidden_state_drafter",
     "uninstall_generate_hook",
 ]
 
@@ -30,15 +32,32 @@ TESTED_TRANSFORMERS = (">=5.24.0", "<5.25.0")
 _HOOK_FLAG = "__dspark_hook__"
 
 
+# model_type of a drafter -> "module:class" of its candidate generator
+DRAFTER_GENERATORS = {
+    "dspark": "generation.candidate_generator:DSparkCandidateGenerator",
+    "eagle3_drafter": "generation.eagle3_candidate_generator:Eagle3CandidateGenerator",
+}
+
+
+def _model_type(model) -> str | None:
+    return getattr(getattr(model, "config", None), "model_type", None) if model is not None else None
+
+
 def is_dspark_drafter(model) -> bool:
     """True for DSpark drafters, including classes loaded with ``trust_remote_code``."""
-    return model is not None and getattr(getattr(model, "config", None), "model_type", None) == "dspark"
+    return _model_type(model) == "dspark"
+
+
+def is_hidden_state_drafter(model) -> bool:
+    """True for the drafters this project routes (DSpark, DFlash-as-DSpark, Eagle3)."""
+    return _model_type(model) in DRAFTER_GENERATORS
 
 
 def _build_generator(target, drafter, generation_config, input_ids, model_kwargs, logits_processor):
-    from .candidate_generator import DSparkCandidateGenerator
+    import importlib
 
-    return DSparkCandidateGenerator(
+    module, name = DRAFTER_GENERATORS[_model_type(drafter)].split(":")
+    return getattr(importlib.import_module(module), name)(
         target=target,
         drafter=drafter,
         generation_config=generation_config,
@@ -54,7 +73,7 @@ def _route_candidate_generator(original):
     @functools.wraps(original)
     def _get_candidate_generator(self, *args, **kwargs):
         call = signature.bind(self, *args, **kwargs).arguments
-        if is_dspark_drafter(call.get("assistant_model")):
+        if is_hidden_state_drafter(call.get("assistant_model")):
             return _build_generator(
                 self,
                 call["assistant_model"],
@@ -76,7 +95,7 @@ def _check_dspark_assistant(original):
         # Transformers reads a vocabulary mismatch as "different tokenizers"; say what is really wrong first.
         mode_kwargs = signature.bind(self, *args, **kwargs).arguments.get("generation_mode_kwargs") or {}
         assistant = mode_kwargs.get("assistant_model")
-        if is_dspark_drafter(assistant):
+        if is_hidden_state_drafter(assistant):
             assistant.check_compatible(self)
         return original(self, *args, **kwargs)
 
@@ -137,8 +156,8 @@ def dspark_generate(
     ``generate()`` drops ``assistant_model`` and ``streamer`` for callables, hence ``dspark_model`` and
     ``dspark_streamer``. The candidate generator is attached to this ``model`` instance for the duration
     of the call only (not thread-safe for one model shared by several threads)."""
-    if not is_dspark_drafter(dspark_model):
-        raise ValueError("dspark_generate needs dspark_model=<a DSpark drafter>")
+    if not is_hidden_state_drafter(dspark_model):
+        raise ValueError("dspark_generate needs dspark_model=<a DSpark or Eagle3 drafter>")
     generator = _build_generator(model, dspark_model, generation_config, input_ids, model_kwargs, logits_processor)
     model._get_candidate_generator = lambda **_: generator
     try:

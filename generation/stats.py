@@ -13,6 +13,7 @@ class DSparkRound:
     verified: int  # drafted tokens sent to the target for verification
     accepted: int = 0  # verified tokens the target accepted (the bonus token is not counted here)
     confidence_logits: list[float] = field(default_factory=list)  # raw c_k logits of the verified slots
+    draft_seconds: float = 0.0  # wall time of the drafter's work this round
 
 
 @dataclass

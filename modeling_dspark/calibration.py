@@ -38,6 +38,20 @@ class CalibrationRounds:
     logits: torch.Tensor  # [R, B] float, NaN where the slot was not drafted
     accepted: torch.Tensor  # [R] long
 
+    @classmethod
+    def from_lists(cls, confidence_logits, accepted, block_size: int | None = None) -> "CalibrationRounds":
+        """From per-round lists of raw logits (verified slots, any length) and accepted counts."""
+        width = block_size or max((len(z) for z in confidence_logits), default=0)
+        logits = torch.full((len(confidence_logits), width), float("nan"), dtype=torch.float64)
+        for i, z in enumerate(confidence_logits):
+            if len(z) > width:
+                raise ValueError(f"round {i} has {len(z)} confidence logits, more than the block size {width}")
+            logits[i, : len(z)] = torch.as_tensor(z, dtype=torch.float64)
+        accepted = torch.as_tensor(list(accepted), dtype=torch.long)
+        if accepted.numel() != logits.shape[0]:
+            raise ValueError("confidence_logits and accepted must have one entry per round")
+        return cls(logits, accepted)
+
     @property
     def drafted(self) -> torch.Tensor:
         return (~self.logits.isnan()).sum(-1)
@@ -140,15 +154,8 @@ def collect_rounds(target, drafter, prompt_ids: list[list[int]], *, max_new_toke
     """Draft and verify on ``prompt_ids`` (temperature 1, full blocks, no top-k/top-p) and keep every drafted round."""
     from generation.benchmark import verified_rounds
 
-    gamma = drafter.config.block_size
-    logits, accepted = [], []
-    for r in verified_rounds(target, drafter, prompt_ids, max_new_tokens=max_new_tokens, seed=seed, progress=progress):
-        if r.drafted:
-            row = torch.full((gamma,), float("nan"))
-            row[: len(r.confidence_logits)] = torch.tensor(r.confidence_logits)
-            logits.append(row)
-            accepted.append(r.accepted)
-    return CalibrationRounds(torch.stack(logits), torch.tensor(accepted))
+    rounds = [r for r in verified_rounds(target, drafter, prompt_ids, max_new_tokens=max_new_tokens, seed=seed, progress=progress) if r.drafted]
+    return CalibrationRounds.from_lists([r.confidence_logits for r in rounds], [r.accepted for r in rounds], drafter.config.block_size)
 
 
 def plot_reliability(rounds: CalibrationRounds, temperature_sets: dict[str, list[float]], path, num_bins: int = 10) -> None:
@@ -175,7 +182,8 @@ def plot_reliability(rounds: CalibrationRounds, temperature_sets: dict[str, list
         ax.set_title(f"{name}: ECE {100 * metrics['ece']:.1f} %, AUROC {metrics['auroc']:.3f}")
         ax.set_xlabel("predicted survival a_k")
         ax.set_ylabel("observed prefix acceptance")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -158,9 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--domains", nargs="+", default=["math", "code", "chat"])
+    parser.add_argument("--exclude", nargs="*", default=[], help="response files whose prompt ids are skipped (fresh data)")
     args = parser.parse_args(argv)
     target, tokenizer = load_target(args.target)
-    prompts = load_prompts(args.train_dir, num_prompts=args.num_prompts, seed=args.seed)
+    excluded = {row["id"] for path in args.exclude for row in read_responses(path)}
+    prompts = load_prompts(args.train_dir, num_prompts=args.num_prompts + len(excluded), seed=args.seed, domains=tuple(args.domains))
+    prompts = [p for p in prompts if p["id"] not in excluded][: args.num_prompts]
     n = regenerate_responses(
         target, tokenizer, prompts, args.out, sampling=SAMPLING[args.target], batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens, seed=args.seed,

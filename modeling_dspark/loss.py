@@ -42,6 +42,7 @@ class DSparkLossOutput:
     weight_den: torch.Tensor  # sum w
     accept_rate_num: torch.Tensor  # [B] per slot: sum over kept blocks of eval_mask * (1 - 0.5 L1)
     accept_rate_den: torch.Tensor  # [B] per slot: number of supervised blocks
+    accept_rate: torch.Tensor | None = None  # [bsz, N, B] detached 1 - 0.5 L1 of every slot
     eval_mask: torch.Tensor | None = None  # [bsz, N, B]
     draft_logits: torch.Tensor | None = None  # [bsz, N, B, V] when return_logits
     target_logits: torch.Tensor | None = None  # [bsz, N, B, V] when return_logits
@@ -214,6 +215,7 @@ def compute_dspark_loss(
         weight_den=den,
         accept_rate_num=(accept * eval_mask).sum(dim=(0, 1)),
         accept_rate_den=eval_mask.sum(dim=(0, 1)),
+        accept_rate=accept,
         eval_mask=eval_mask,
         draft_logits=stack(drafts) if return_logits else None,
         target_logits=stack(targets) if return_logits else None,

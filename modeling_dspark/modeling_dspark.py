@@ -32,7 +32,15 @@ from .configuration_dspark import DSparkConfig
 from .confidence_head import DSparkConfidenceHead
 from .markov_head import build_markov_head
 
-__all__ = ["DSparkModel", "DSparkModelOutput", "DSparkPreTrainedModel", "build_target_layer_ids"]
+__all__ = [
+    "DSparkModel",
+    "DSparkModelOutput",
+    "DSparkPreTrainedModel",
+    "build_from_target",
+    "build_target_layer_ids",
+    "target_compatibility_problems",
+    "target_geometry",
+]
 
 
 def build_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -290,64 +298,81 @@ class DSparkModel(DSparkPreTrainedModel):
 
         ``config_overrides`` set any :class:`DSparkConfig` field (``block_size``, ``num_draft_layers``,
         ``target_layer_ids``, ``markov_head_type``, ...)."""
-        text = target.config.get_text_config()
-        num_layers = text.num_hidden_layers
-        rope = getattr(text, "rope_parameters", None)
-        if isinstance(rope, dict) and "full_attention" in rope:  # per-layer-type rope (Gemma 3)
-            rope = rope["full_attention"]
-        num_heads = text.num_attention_heads
-        geometry = dict(
-            vocab_size=target.get_output_embeddings().weight.shape[0],
-            hidden_size=text.hidden_size,
-            target_hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size,
-            num_attention_heads=num_heads,
-            num_key_value_heads=getattr(text, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // num_heads,
-            hidden_act=getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", "silu"),
-            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
-            rope_parameters=dict(rope) if rope else None,
-            max_position_embeddings=text.max_position_embeddings,
-            initializer_range=getattr(text, "initializer_range", 0.02),
-            num_target_layers=num_layers,
-            target_model_type=text.model_type,
-        )
-        geometry["target_layer_ids"] = build_target_layer_ids(num_layers, 5)
-        unknown = set(config_overrides) - set(DSparkConfig.__dataclass_fields__) - {"dtype"}
-        if unknown:
-            raise ValueError(f"unknown DSparkConfig field(s): {sorted(unknown)}")
-        dtype = config_overrides.pop("dtype", None) or target.dtype
-        config = DSparkConfig(**{**geometry, **config_overrides})
-        drafter = cls(config).to(device=target.device, dtype=dtype)
-        drafter.check_compatible(target)
-        return drafter
+        return build_from_target(cls, DSparkConfig, target, config_overrides)
 
     def check_compatible(self, target: PreTrainedModel) -> None:
         """Raise a clear `ValueError` if this drafter cannot draft for ``target``."""
         cfg = self.config
-        text = target.config.get_text_config()
-        head, embed = target.get_output_embeddings(), target.get_input_embeddings()
-        if head is None or embed is None:
-            raise ValueError(f"{type(target).__name__} has no input embedding / LM head to share with the drafter")
-        problems = []
-        if head.weight.shape[0] != cfg.vocab_size or embed.weight.shape[0] < cfg.vocab_size:
-            problems.append(
-                f"vocabulary: drafter has {cfg.vocab_size}, target LM head has {head.weight.shape[0]} and embedding "
-                f"{embed.weight.shape[0]}"
-            )
-        if text.hidden_size != cfg.target_hidden_size:
-            problems.append(f"hidden size: drafter reads target features of width {cfg.target_hidden_size}, target has {text.hidden_size}")
-        if head.weight.shape[1] != cfg.hidden_size:
-            problems.append(f"hidden size: the target LM head reads width {head.weight.shape[1]}, drafter outputs {cfg.hidden_size}")
-        num_layers = text.num_hidden_layers
-        if cfg.target_layer_ids[-1] >= num_layers - 1 or cfg.target_layer_ids[0] < -1:
-            problems.append(
-                f"target_layer_ids {cfg.target_layer_ids} must lie in [-1, {num_layers - 2}] for a {num_layers}-layer "
-                "target (its last layer is returned after the final norm)"
-            )
-        if cfg.num_target_layers is not None and cfg.num_target_layers != num_layers:
-            problems.append(f"layers: drafter was built for a {cfg.num_target_layers}-layer target, this one has {num_layers}")
+        problems = target_compatibility_problems(cfg, target)
+        embed = target.get_input_embeddings()
         if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < embed.weight.shape[0]:
             problems.append(f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary")
         if problems:
             raise ValueError(f"DSpark drafter is incompatible with {type(target).__name__}: " + "; ".join(problems))
+
+
+def target_geometry(target: PreTrainedModel) -> dict:
+    """Config fields a drafter copies from its target: width, heads, rotary settings, vocabulary, layer count."""
+    text = target.config.get_text_config()
+    num_layers = text.num_hidden_layers
+    rope = getattr(text, "rope_parameters", None)
+    if isinstance(rope, dict) and "full_attention" in rope:  # per-layer-type rope (Gemma 3)
+        rope = rope["full_attention"]
+    num_heads = text.num_attention_heads
+    return dict(
+        vocab_size=target.get_output_embeddings().weight.shape[0],
+        hidden_size=text.hidden_size,
+        target_hidden_size=text.hidden_size,
+        intermediate_size=text.intermediate_size,
+        num_attention_heads=num_heads,
+        num_key_value_heads=getattr(text, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // num_heads,
+        hidden_act=getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", "silu"),
+        rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+        rope_parameters=dict(rope) if rope else None,
+        max_position_embeddings=text.max_position_embeddings,
+        initializer_range=getattr(text, "initializer_range", 0.02),
+        num_target_layers=num_layers,
+        target_model_type=text.model_type,
+        target_layer_ids=build_target_layer_ids(num_layers, 5),
+    )
+
+
+def build_from_target(model_class, config_class, target: PreTrainedModel, config_overrides: dict):
+    """``model_class(config_class(target geometry + overrides))`` on the target's device (and dtype unless given)."""
+    unknown = set(config_overrides) - set(config_class.__dataclass_fields__) - {"dtype"}
+    if unknown:
+        raise ValueError(f"unknown {config_class.__name__} field(s): {sorted(unknown)}")
+    overrides = dict(config_overrides)
+    dtype = overrides.pop("dtype", None) or target.dtype
+    config = config_class(**{**target_geometry(target), **overrides})
+    drafter = model_class(config).to(device=target.device, dtype=dtype)
+    drafter.check_compatible(target)
+    return drafter
+
+
+def target_compatibility_problems(cfg, target: PreTrainedModel) -> list[str]:
+    """What stops a drafter with config ``cfg`` (reading ``cfg.target_layer_ids``) from drafting for ``target``."""
+    text = target.config.get_text_config()
+    head, embed = target.get_output_embeddings(), target.get_input_embeddings()
+    if head is None or embed is None:
+        return [f"{type(target).__name__} has no input embedding / LM head to share with the drafter"]
+    problems = []
+    if head.weight.shape[0] != cfg.vocab_size or embed.weight.shape[0] < cfg.vocab_size:
+        problems.append(
+            f"vocabulary: drafter has {cfg.vocab_size}, target LM head has {head.weight.shape[0]} and embedding "
+            f"{embed.weight.shape[0]}"
+        )
+    if text.hidden_size != cfg.target_hidden_size:
+        problems.append(f"hidden size: drafter reads target features of width {cfg.target_hidden_size}, target has {text.hidden_size}")
+    if head.weight.shape[1] != cfg.hidden_size:
+        problems.append(f"hidden size: the target LM head reads width {head.weight.shape[1]}, drafter outputs {cfg.hidden_size}")
+    num_layers = text.num_hidden_layers
+    if cfg.target_layer_ids[-1] >= num_layers - 1 or cfg.target_layer_ids[0] < -1:
+        problems.append(
+            f"target_layer_ids {cfg.target_layer_ids} must lie in [-1, {num_layers - 2}] for a {num_layers}-layer "
+            "target (its last layer is returned after the final norm)"
+        )
+    if cfg.num_target_layers is not None and cfg.num_target_layers != num_layers:
+        problems.append(f"layers: drafter was built for a {cfg.num_target_layers}-layer target, this one has {num_layers}")
+    return problems

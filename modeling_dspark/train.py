@@ -36,7 +36,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-anchors", type=int, default=32)
     p.add_argument("--max-length", type=int, default=640)
     p.add_argument("--save-steps", type=int, default=50)
-    p.add_argument("--block-size", type=int, default=7)
+    p.add_argument("--drafter", choices=("dspark", "eagle3"), default="dspark", help="dspark (DFlash: --markov-head none --no-confidence-head --ce-alpha 1 --l1-alpha 0) or the eagle3 baseline")
+    p.add_argument("--block-size", type=int, default=7, help="block size (DSpark/DFlash) or training-time-test steps (Eagle3)")
     p.add_argument("--num-draft-layers", type=int, default=2)
     p.add_argument("--markov-head", default="vanilla", help="vanilla, rnn or none (DFlash)")
     p.add_argument("--markov-rank", type=int, default=64)
@@ -51,7 +52,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from transformers.trainer_utils import get_last_checkpoint
 
-    from . import DSparkModel, load_target
+    from . import DSparkModel, Eagle3DrafterModel, load_target
     from .trainer import DSparkTrainer, DSparkTrainingArguments
 
     args = build_arg_parser().parse_args(argv)
@@ -63,16 +64,21 @@ def main(argv: list[str] | None = None) -> int:
     train_rows, held_out = split_holdout(rows)
     dataset = build_dataset(train_rows, max_length=args.max_length).shuffle(seed=args.seed)
     markov = None if args.markov_head == "none" else args.markov_head
-    drafter = DSparkModel.from_target(
-        target,
-        dtype=torch.float32,  # fp32 master weights; the frozen target runs in bf16
-        block_size=args.block_size,
-        num_draft_layers=args.num_draft_layers,
-        markov_head_type=markov,
-        markov_rank=args.markov_rank,
-        confidence_head=not args.no_confidence_head,
-        num_anchors=args.num_anchors,
-    )
+    if args.drafter == "eagle3":  # one layer, training-time test over block-size steps, soft CE (its own recipe)
+        drafter = Eagle3DrafterModel.from_target(
+            target, dtype=torch.float32, ttt_length=args.block_size, num_anchors=args.num_anchors
+        )
+    else:
+        drafter = DSparkModel.from_target(
+            target,
+            dtype=torch.float32,  # fp32 master weights; the frozen target runs in bf16
+            block_size=args.block_size,
+            num_draft_layers=args.num_draft_layers,
+            markov_head_type=markov,
+            markov_rank=args.markov_rank,
+            confidence_head=not args.no_confidence_head,
+            num_anchors=args.num_anchors,
+        )
     out_dir = Path(args.output_dir)
     training_args = DSparkTrainingArguments(
         output_dir=str(out_dir),

@@ -16,6 +16,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from .loss import sample_anchor_positions
+from .metrics import expected_tau_from_sums
 
 __all__ = ["DSparkCollator", "DSparkTrainer", "DSparkTrainingArguments", "expected_tau"]
 
@@ -49,9 +50,9 @@ class DSparkCollator:
 
 
 def expected_tau(accept_num: torch.Tensor, accept_den: torch.Tensor) -> float:
-    """Tau implied by the analytic per-position acceptance rates: ``1 + sum_k prod_{i<=k} (1 - 0.5 L1_i)``."""
-    rates = accept_num / accept_den.clamp(min=1)
-    return float(1.0 + torch.cumprod(rates, 0).sum())
+    """Tau implied by the analytic per-position acceptance rates: ``1 + sum_k prod_{i<=k} (1 - 0.5 L1_i)``
+    (the ``acceptance_length`` metric's ``"analytic"`` maths, from per-slot sums)."""
+    return expected_tau_from_sums(accept_num.tolist(), accept_den.tolist())["expected_tau"]
 
 
 class DSparkTrainer(Trainer):
@@ -68,12 +69,14 @@ class DSparkTrainer(Trainer):
         super().__init__(model=model, args=args, data_collator=data_collator or DSparkCollator(pad), **kwargs)
         self.target.to(self.args.device)
         self._dspark_logs: dict[str, list] = defaultdict(list)
+        self._eval_prefix: str | None = None  # set while evaluate() runs
 
     @torch.no_grad()
     def target_features(self, input_ids, attention_mask):
         """Context features of the drafter's layers and the target's final hidden states, frozen."""
         layers = self.accelerator.unwrap_model(self.model).config.target_layer_ids
-        out = self.target.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        # get_decoder() rather than .model: a PEFT-wrapped target forwards it to its (LoRA-carrying) decoder
+        out = self.target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
         hidden = out.hidden_states
         return torch.cat([hidden[i + 1] for i in layers], dim=-1), out.last_hidden_state
 
@@ -111,17 +114,46 @@ class DSparkTrainer(Trainer):
             logs[name].append(float(getattr(out, name).detach()))
         logs["accept_num"].append(out.accept_rate_num.detach().cpu())
         logs["accept_den"].append(out.accept_rate_den.detach().cpu())
+        if self._eval_prefix is not None:  # evaluation keeps every block for the acceptance_length metric
+            mask = out.eval_mask.flatten(0, 1)
+            logs["block_rates"] += out.accept_rate.flatten(0, 1)[mask.any(-1)].tolist()
+            logs["block_masks"] += mask[mask.any(-1)].long().tolist()
         return (out.loss, out) if return_outputs else out.loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        # the drafter has no logits to return: evaluation is the loss terms and the expected tau (see log())
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """Loss terms, per-position acceptance rates and expected tau (the ``acceptance_length`` metric, config
+        ``"analytic"``) on the evaluation set, as ``{prefix}_expected_tau`` etc."""
+        training_logs, self._dspark_logs = self._dspark_logs, defaultdict(list)
+        self._eval_prefix = metric_key_prefix + "_"
+        try:
+            return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        finally:
+            self._dspark_logs, self._eval_prefix = training_logs, None
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         pending = self._dspark_logs
         if pending["ce_loss"]:
-            prefix = "eval_" if any(k.startswith("eval_") for k in logs) else ""
+            prefix = self._eval_prefix or ""
             for name in ("ce_loss", "l1_loss", "confidence_loss"):
                 logs[prefix + name] = sum(pending[name]) / len(pending[name])
-            num, den = torch.stack(pending["accept_num"]).sum(0), torch.stack(pending["accept_den"]).sum(0)
-            logs[prefix + "expected_tau"] = expected_tau(num, den)
-            for k, rate in enumerate((num / den.clamp(min=1)).tolist()):
+            if pending["block_rates"]:
+                from .metrics import load_metric
+
+                metric = load_metric("acceptance_length", "analytic")
+                result = metric.compute(acceptance_rates=pending["block_rates"], masks=pending["block_masks"])
+                tau, rates = result["expected_tau"], result["acceptance_rate_per_position"]
+            else:
+                num, den = torch.stack(pending["accept_num"]).sum(0), torch.stack(pending["accept_den"]).sum(0)
+                tau, rates = expected_tau(num, den), (num / den.clamp(min=1)).tolist()
+            logs[prefix + "expected_tau"] = tau
+            for k, rate in enumerate(rates):
                 logs[f"{prefix}accept_rate@{k}"] = rate
             pending.clear()
         super().log(logs, *args, **kwargs)

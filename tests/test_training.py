@@ -229,3 +229,28 @@ def test_two_process_data_parallel_training(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert [(tmp_path / "out" / f"rank{r}.txt").read_text() for r in range(2)] == ["ok 4", "ok 4"]
+
+
+def test_trainer_evaluate_reports_expected_tau_through_the_metric(tmp_path):
+    target = bigram_target(initializer_range=0.3)
+    drafter = tiny_drafter(target, dtype=torch.float32).train()
+    args = DSparkTrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, per_device_eval_batch_size=4, max_steps=60,
+        learning_rate=1e-2, logging_steps=20, report_to=[], use_cpu=True, num_anchors=8, save_strategy="no", seed=0,
+    )  # fmt: skip
+    trainer = DSparkTrainer(model=drafter, args=args, target=target, train_dataset=bigram_dataset(target), eval_dataset=bigram_dataset(target, seed=1, n=8))
+    before = trainer.evaluate()
+    keys = {"eval_loss", "eval_ce_loss", "eval_l1_loss", "eval_confidence_loss", "eval_expected_tau", "eval_accept_rate@0"}
+    assert keys <= set(before)
+    rates = [before[f"eval_accept_rate@{k}"] for k in range(drafter.config.block_size)]
+    assert all(0.0 <= r <= 1.0 for r in rates)
+    expected = 1.0
+    for k in range(len(rates)):
+        expected += torch.tensor(rates[: k + 1]).prod().item()
+    assert before["eval_expected_tau"] == pytest.approx(expected, rel=1e-5)
+    trainer.train()
+    after = trainer.evaluate()
+    assert after["eval_expected_tau"] > before["eval_expected_tau"] + 0.05
+    assert after["eval_loss"] < before["eval_loss"]
+    # training logs never carry evaluation blocks, and evaluation does not eat pending training statistics
+    assert all("eval_expected_tau" not in e for e in trainer.state.log_history if "loss" in e and "eval_loss" not in e)

@@ -1,0 +1,361 @@
+"""`DSparkEngine`: many concurrent requests, one batched drafter forward and one target forward per step.
+
+Each step: prefill the requests that joined (one right-padded forward), draft a block for every active
+request (one drafter forward, the block sampled left to right for all rows at once), let the scheduler pick
+each request's verification length ``l_r`` from the calibrated survival and the cost table, verify the
+ragged prefixes ``[anchor, d_1..d_{l_r}]`` in one right-padded target forward with per-row masks and
+positions, then commit each row's accepted tokens and roll the rejected ones out of the target's KV cache
+(:class:`generation.ragged_cache.RaggedCache`). Requests leave at EOS or their token limit; new ones can be
+added between steps. Greedy rows reproduce the target's greedy decoding, sampled rows its distribution
+(``generation.verification``), under every scheduler: each one is non-anticipating.
+
+    engine = DSparkEngine(target, drafter, scheduler="algorithm1")        # profiles SPS(B) once, cached on disk
+    outputs = engine.generate([ids_a, ids_b], max_new_tokens=128, temperature=0.7)
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from .ragged_cache import RaggedCache
+from .scheduler import (
+    CostTable,
+    async_capacity,
+    schedule_algorithm1,
+    schedule_fixed,
+    schedule_threshold,
+    schedule_top_k,
+)
+from .stats import DSparkGenerationStats, DSparkRound
+from .verification import process_logits, sample_tokens, verify_drafts
+
+__all__ = ["SCHEDULERS", "DSparkEngine", "EngineRequest"]
+
+SCHEDULERS = ("none", "fixed", "threshold", "algorithm1", "async")
+
+
+@dataclass
+class EngineRequest:
+    request_id: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    eos_token_ids: frozenset[int] = frozenset()
+    on_tokens: Callable[[int, list[int]], None] | None = None  # streaming: (request_id, newly accepted tokens)
+    output_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    stats: DSparkGenerationStats = field(default_factory=DSparkGenerationStats)
+    # drafting state: target features of committed tokens the drafter has not seen yet
+    pending_features: torch.Tensor | None = None
+
+    @property
+    def anchor_position(self) -> int:
+        """Position of the last committed token (the next block's anchor)."""
+        return len(self.prompt_ids) + len(self.output_ids) - 1
+
+
+class DSparkEngine:
+    """Batched speculative decoding with a DSpark drafter and a verification-length scheduler.
+
+    ``scheduler``: ``"none"`` (plain batched decoding, no drafter call), ``"fixed"`` (``num_verify`` drafts per
+    request), ``"threshold"`` (survival >= ``threshold``), ``"algorithm1"`` (Algorithm 1 on the cost table) or
+    ``"async"`` (capacity from confidences two steps old, then top-K of the current survival). The cost table
+    is ``cost_table`` or, when a cost-aware scheduler needs one, :func:`generation.profile_sps` of the target."""
+
+    def __init__(
+        self,
+        target,
+        drafter=None,
+        *,
+        scheduler: str = "algorithm1",
+        num_verify: int | None = None,
+        threshold: float = 0.3,
+        cost_table: CostTable | None = None,
+        compact_slack: int = 32,
+    ):
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
+        if scheduler != "none" and drafter is None:
+            raise ValueError(f"scheduler {scheduler!r} needs a drafter")
+        if drafter is not None and getattr(drafter.config, "model_type", None) != "dspark":
+            raise ValueError("DSparkEngine drafts with DSpark (or DFlash-as-DSpark) drafters only")
+        text = target.config.get_text_config()
+        layer_types = getattr(text, "layer_types", None) or []
+        if getattr(text, "sliding_window", None) and (not layer_types or "sliding_attention" in layer_types):
+            raise ValueError(
+                f"DSparkEngine supports full-attention targets only; {text.model_type} uses sliding-window attention, "
+                "whose window would count the engine's rolled-back cache columns. Use generate(assistant_model=...) "
+                "at batch size 1."
+            )
+        if drafter is not None:
+            drafter.check_compatible(target)
+            if scheduler in ("threshold", "algorithm1", "async") and drafter.confidence_head is None:
+                raise ValueError(f"scheduler {scheduler!r} needs a drafter with a confidence head")
+        # plain batched decoding ("none") never calls the drafter
+        drafter = drafter if scheduler != "none" else None
+        self.target, self.drafter, self.scheduler = target, drafter, scheduler
+        self.block_size = drafter.config.block_size if drafter is not None else 0
+        self.num_verify = self.block_size if num_verify is None else int(num_verify)
+        if not 0 <= self.num_verify <= max(self.block_size, 0):
+            raise ValueError(f"num_verify must be in [0, block_size={self.block_size}], got {self.num_verify}")
+        self.threshold = float(threshold)
+        if scheduler in ("algorithm1", "async") and cost_table is None:
+            from .profiler import profile_sps
+
+            cost_table = profile_sps(target, max_tokens=max(64, 8 * (self.block_size + 1)))
+        self.cost_table = cost_table
+        self.compact_slack = compact_slack
+        self.lm_head = target.get_output_embeddings()
+        self.input_embeddings = target.get_input_embeddings()
+        self.pad_token_id = target.generation_config.pad_token_id or 0
+        eos = target.generation_config.eos_token_id
+        self.default_eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.active: list[EngineRequest] = []
+        self.waiting: list[EngineRequest] = []
+        self.finished: dict[int, EngineRequest] = {}
+        self.target_cache = RaggedCache()
+        self.draft_cache = RaggedCache()
+        self._next_id = 0
+        self._survival_history: collections.deque = collections.deque(maxlen=2)  # for the asynchronous variant
+        self.step_log: list[dict] = []  # per step: active requests, tokens verified, tokens committed
+
+    # ------------------------------------------------------------------------------------------ requests
+    def add_request(
+        self, prompt_ids: Sequence[int] | torch.Tensor, *, max_new_tokens: int = 128, temperature: float = 0.0,
+        top_p: float = 1.0, eos_token_id: int | Sequence[int] | None = None, on_tokens=None,
+    ) -> int:  # fmt: skip
+        """Queue a request (joins at the next step); returns its id."""
+        if isinstance(prompt_ids, torch.Tensor):
+            if prompt_ids.dim() == 2 and prompt_ids.shape[0] != 1:
+                raise ValueError("add_request takes one prompt; call it once per request")
+            prompt_ids = prompt_ids.reshape(-1).tolist()
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
+        eos = self.default_eos if eos_token_id is None else frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+        request = EngineRequest(self._next_id, prompt_ids, max_new_tokens, float(temperature), float(top_p), eos, on_tokens)
+        self._next_id += 1
+        self.waiting.append(request)
+        return request.request_id
+
+    def has_work(self) -> bool:
+        return bool(self.active or self.waiting)
+
+    def generate(self, prompts: Sequence, progress: bool = False, **settings) -> list[list[int]]:
+        """Run ``prompts`` (token id lists or [1, L] tensors) to completion; returns the new tokens of each."""
+        from tqdm.auto import tqdm
+
+        ids = [self.add_request(p, **settings) for p in prompts]
+        with tqdm(total=len(ids), desc="requests", disable=not progress) as bar:
+            while self.has_work():
+                done = self.step()
+                bar.update(len(done))
+        return [self.finished[i].output_ids for i in ids]
+
+    # ------------------------------------------------------------------------------------------ one step
+    def _settings(self, requests):
+        device = self.target.device
+        temperature = torch.tensor([r.temperature for r in requests], device=device)
+        top_p = torch.tensor([r.top_p for r in requests], device=device)
+        return temperature, top_p, temperature <= 0
+
+    def _feature_kwargs(self):
+        if self.drafter is None:
+            return {}
+        return {"output_hidden_states": [i + 1 for i in self.drafter.config.target_layer_ids]}
+
+    @torch.no_grad()
+    def _prefill(self) -> list[EngineRequest]:
+        """One right-padded forward over the prompts of the requests that joined; samples their first token."""
+        new, self.waiting = self.waiting, []
+        device = self.target.device
+        width = max(len(r.prompt_ids) for r in new)
+        lengths = torch.tensor([len(r.prompt_ids) for r in new], device=device)
+        ids = torch.tensor([r.prompt_ids + [self.pad_token_id] * (width - len(r.prompt_ids)) for r in new], device=device)
+        valid = torch.arange(width, device=device)[None] < lengths[:, None]
+        cache = DynamicCache()
+        out = self.target(
+            input_ids=ids, attention_mask=valid.long(), position_ids=torch.arange(width, device=device)[None].expand(len(new), -1),
+            cache=cache, use_cache=True, **self._feature_kwargs(),
+        )  # fmt: skip
+        rows = torch.arange(len(new), device=device)
+        temperature, top_p, greedy = self._settings(new)
+        last = process_logits(out.logits[rows, lengths - 1].float(), temperature, top_p)
+        first = sample_tokens(last, greedy).tolist()
+        features = self.drafter.context_features(out.hidden_states) if self.drafter is not None else None
+        self.target_cache.append_rows(RaggedCache(cache, valid.cpu()))
+        if self.drafter is not None:
+            self.draft_cache.append_rows(RaggedCache(DynamicCache(), torch.zeros(len(new), 0, dtype=torch.bool)))
+        for i, r in enumerate(new):
+            if features is not None:
+                r.pending_features = features[i, : len(r.prompt_ids)]
+            self.active.append(r)
+            self._commit(r, [first[i]])
+        return new
+
+    @torch.no_grad()
+    def _draft(self, requests):
+        """One drafter forward for every row; returns tokens [R, B], processed logits q [R, B, V] and raw
+        confidence logits [R, B] (None without a confidence head)."""
+        drafter, device = self.drafter, self.drafter.device
+        num_rows, gamma = len(requests), self.block_size
+        counts = [r.pending_features.shape[0] for r in requests]
+        width = max(counts)
+        feats = torch.zeros(num_rows, width, requests[0].pending_features.shape[-1], dtype=requests[0].pending_features.dtype, device=device)
+        for i, r in enumerate(requests):
+            feats[i, : counts[i]] = r.pending_features.to(device)
+        ctx_valid = torch.arange(width)[None] < torch.tensor(counts)[:, None]
+        anchors_pos = torch.tensor([r.anchor_position for r in requests])
+        ctx_pos = anchors_pos[:, None] - torch.tensor(counts)[:, None] + torch.arange(width)[None]
+        block_pos = anchors_pos[:, None] + torch.arange(gamma)[None]
+        positions = torch.cat([ctx_pos.clamp(min=0), block_pos], dim=1).to(device)
+        mask = torch.cat([self.draft_cache.valid, ctx_valid, torch.ones(num_rows, gamma, dtype=torch.bool)], dim=1)
+        mask = mask[:, None, None, :].expand(-1, 1, gamma, -1).to(device)
+        anchors = torch.tensor([r.output_ids[-1] for r in requests], device=device)
+        out = drafter(
+            block_embeds=drafter.embed_block(anchors, self.input_embeddings), context_features=feats,
+            position_ids=positions, attention_mask=mask, cache=self.draft_cache.cache,
+        )  # fmt: skip
+        self.draft_cache.extend(ctx_valid)
+        for r in requests:
+            r.pending_features = None
+        h = out.last_hidden_state  # [R, B, d]
+        base = self.lm_head(h.to(self.lm_head.weight.dtype)).float()
+        temperature, top_p, greedy = self._settings(requests)
+        prev, state = anchors, None
+        markov = drafter.markov_head
+        if markov is not None:
+            state = markov.initial_state(h[:, 0])
+        tokens, logits, confidences = [], [], []
+        for k in range(gamma):
+            if drafter.confidence_head is not None:
+                confidences.append(drafter.confidence_logits(h[:, k], prev))
+            step = base[:, k]
+            if markov is not None:
+                step, state = markov.apply_step_logits(step, prev, h[:, k], state)
+            step = process_logits(step, temperature, top_p)
+            prev = sample_tokens(step, greedy)
+            tokens.append(prev)
+            logits.append(step)
+        conf = torch.stack(confidences, dim=1) if confidences else None
+        return torch.stack(tokens, dim=1), torch.stack(logits, dim=1), conf
+
+    def _survival(self, confidence_logits, drafted):
+        """Calibrated cumulative survival per request over its drafted slots."""
+        conf = self.drafter.calibrated_confidence(confidence_logits.float())  # [R, B] (temperatures per slot)
+        survival = torch.cumprod(conf.double(), dim=-1).tolist()
+        return [s[:n] for s, n in zip(survival, drafted)]
+
+    def _schedule(self, requests, drafted, confidence_logits) -> list[int]:
+        if self.scheduler == "none":
+            return [0] * len(requests)
+        if self.scheduler == "fixed":
+            return schedule_fixed(drafted, self.num_verify)
+        survival = self._survival(confidence_logits, drafted)
+        if self.scheduler == "threshold":
+            return schedule_threshold(survival, self.threshold)
+        if self.scheduler == "algorithm1":
+            return schedule_algorithm1(survival, self.cost_table)
+        # asynchronous: the budget comes from the oldest remembered step (two steps back once warm)
+        if self._survival_history:
+            capacity = async_capacity(self._survival_history[0], self.cost_table, num_requests=len(requests))
+        else:
+            capacity = len(requests)
+        self._survival_history.append(survival)
+        return schedule_top_k(survival, capacity)
+
+    @torch.no_grad()
+    def step(self) -> list[EngineRequest]:
+        """Advance every request by one draft-and-verify round; returns the requests that finished."""
+        done = []
+        if self.waiting:
+            self._prefill()
+            done += self._retire()
+        requests = self.active
+        if not requests:
+            return done
+        device = self.target.device
+        num_rows = len(requests)
+        remaining = [r.max_new_tokens - len(r.output_ids) for r in requests]
+        drafted = [max(0, min(self.block_size, n - 1)) for n in remaining]
+        if self.drafter is not None and any(drafted):
+            drafts, draft_logits, confidence_logits = self._draft(requests)
+        else:
+            drafts = torch.zeros(num_rows, 0, dtype=torch.long, device=device)
+            draft_logits, confidence_logits = None, None
+        lengths = self._schedule(requests, drafted, confidence_logits) if drafts.shape[1] else [0] * num_rows
+        longest = max(lengths)
+        q_len = 1 + longest
+        ids = torch.full((num_rows, q_len), self.pad_token_id, dtype=torch.long, device=device)
+        ids[:, 0] = torch.tensor([r.output_ids[-1] for r in requests], device=device)
+        if longest:
+            ids[:, 1:] = drafts[:, :longest].to(device)
+        lengths_t = torch.tensor(lengths, device=device)
+        new_valid = torch.arange(q_len, device=device)[None] < (1 + lengths_t)[:, None]
+        anchors_pos = torch.tensor([r.anchor_position for r in requests], device=device)
+        out = self.target(
+            input_ids=ids, attention_mask=self.target_cache.attention_mask(new_valid).to(device),
+            position_ids=anchors_pos[:, None] + torch.arange(q_len, device=device)[None], cache=self.target_cache.cache,
+            use_cache=True, **self._feature_kwargs(),
+        )  # fmt: skip
+        temperature, top_p, greedy = self._settings(requests)
+        target_logits = process_logits(out.logits.float(), temperature, top_p)
+        accepted, next_token = verify_drafts(
+            target_logits, draft_logits[:, :longest] if draft_logits is not None else None, ids[:, 1:], lengths_t, greedy
+        )
+        # roll back: keep the anchor and the accepted drafts of each row
+        keep = torch.arange(q_len, device=device)[None] < (1 + accepted)[:, None]
+        self.target_cache.extend(keep.cpu())
+        features = self.drafter.context_features(out.hidden_states) if self.drafter is not None else None
+        accepted_l, next_l, ids_l = accepted.tolist(), next_token.tolist(), ids.tolist()
+        for i, r in enumerate(requests):
+            n = accepted_l[i]
+            if features is not None:
+                fresh = features[i, : 1 + n]
+                r.pending_features = fresh if r.pending_features is None else torch.cat([r.pending_features, fresh])
+            z = confidence_logits[i, : lengths[i]].tolist() if confidence_logits is not None else []
+            r.stats.rounds.append(DSparkRound(drafted=drafted[i] if drafts.shape[1] else 0, verified=lengths[i], accepted=n, confidence_logits=z))
+            self._commit(r, ids_l[i][1 : 1 + n] + [next_l[i]])
+        self.step_log.append({"active": num_rows, "verified": int(sum(lengths)) + num_rows, "committed": int(sum(accepted_l)) + num_rows})
+        done += self._retire()
+        self.target_cache.compact(self.compact_slack)
+        self.draft_cache.compact(self.compact_slack)
+        return done
+
+    def _commit(self, request: EngineRequest, tokens: list[int]) -> None:
+        """Append tokens, cut at EOS or the token limit, stream them."""
+        room = request.max_new_tokens - len(request.output_ids)
+        tokens = tokens[:room]
+        for j, t in enumerate(tokens):
+            if t in request.eos_token_ids:
+                tokens = tokens[: j + 1]
+                request.finished = True
+                break
+        request.output_ids.extend(tokens)
+        if len(request.output_ids) >= request.max_new_tokens:
+            request.finished = True
+        if request.on_tokens is not None and tokens:
+            request.on_tokens(request.request_id, tokens)
+
+    def _retire(self) -> list[EngineRequest]:
+        done = [r for r in self.active if r.finished]
+        if done:
+            keep = [i for i, r in enumerate(self.active) if not r.finished]
+            self.target_cache.keep_rows(keep)
+            if self.drafter is not None:
+                self.draft_cache.keep_rows(keep)
+            self.active = [self.active[i] for i in keep]
+            for r in done:
+                r.pending_features = None
+                self.finished[r.request_id] = r
+        return done

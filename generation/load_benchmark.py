@@ -1,0 +1,164 @@
+"""Throughput under load (the paper's Figure 8 analogue): generated tokens/s and the mean verification budget
+per request at concurrency R, for no speculation, fixed lengths, a static threshold, Algorithm 1 and the
+asynchronous variant, all through :class:`generation.DSparkEngine`.
+
+    python -m generation.load_benchmark --drafter checkpoints/dspark-smollm2-135m-instruct
+
+R requests start together (eval prompts from GSM8K, HumanEval and MT-Bench in turn, seeded), each samples
+``--max-new-tokens`` tokens at temperature 1 (seed fixed per run); wall time includes prefill. The cost table
+is profiled once (``generation.profile_sps``) and plotted next to the results. The single-request reference is
+plain ``target.generate()`` on the same prompts and settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .benchmark import chat_input_ids, load_eval_prompts
+
+__all__ = ["METHODS", "run_load", "write_load_report"]
+
+# label -> DSparkEngine keyword arguments
+METHODS = {
+    "no speculation": {"scheduler": "none"},
+    "fixed 1": {"scheduler": "fixed", "num_verify": 1},
+    "fixed 3": {"scheduler": "fixed", "num_verify": 3},
+    "fixed 7": {"scheduler": "fixed", "num_verify": 7},
+    "threshold 0.3": {"scheduler": "threshold", "threshold": 0.3},
+    "algorithm 1": {"scheduler": "algorithm1"},
+    "asynchronous": {"scheduler": "async"},
+}
+
+
+def _prompts(tokenizer, n: int, eval_dir=None) -> list[list[int]]:
+    kwargs = {} if eval_dir is None else {"eval_dir": eval_dir}
+    pools = [load_eval_prompts(name, n, **kwargs) for name in ("gsm8k", "humaneval", "mt-bench")]
+    rows = [pools[i % 3][i // 3] for i in range(n)]
+    return [chat_input_ids(tokenizer, row["prompt"])[0].tolist() for row in rows]
+
+
+@torch.no_grad()
+def run_load(
+    target, drafter, tokenizer, *, concurrency=(1, 2, 4, 8, 16, 32), methods=None, max_new_tokens: int = 64,
+    cost_table=None, eval_dir=None, seed: int = 0, progress: bool = True,
+) -> dict:  # fmt: skip
+    from tqdm.auto import tqdm
+
+    from .engine import DSparkEngine
+
+    methods = methods or METHODS
+    prompts = _prompts(tokenizer, max(concurrency), eval_dir)
+    results = {"max_new_tokens": max_new_tokens, "concurrency": list(concurrency), "methods": {}}
+    # single-request reference: plain generate() on the first prompts
+    plain_tokens = plain_time = 0.0
+    for i, ids in enumerate(prompts[: min(4, len(prompts))]):
+        torch.manual_seed(seed + i)
+        start = time.perf_counter()
+        out = target.generate(torch.tensor([ids]), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                              max_new_tokens=max_new_tokens, pad_token_id=target.generation_config.pad_token_id)  # fmt: skip
+        plain_time += time.perf_counter() - start
+        plain_tokens += out.shape[1] - len(ids)
+    results["plain_generate_tokens_per_s"] = plain_tokens / plain_time
+    bar = tqdm(total=len(methods) * len(concurrency), desc="load benchmark", disable=not progress)
+    for label, kwargs in methods.items():
+        rows = {}
+        for r in concurrency:
+            engine = DSparkEngine(target, drafter, cost_table=cost_table, **kwargs)
+            engine.generate(prompts[:1], max_new_tokens=4, temperature=1.0)  # warm-up of this engine's shapes
+            engine = DSparkEngine(target, drafter, cost_table=cost_table, **kwargs)
+            torch.manual_seed(seed)
+            start = time.perf_counter()
+            outs = engine.generate(prompts[:r], max_new_tokens=max_new_tokens, temperature=1.0)
+            wall = time.perf_counter() - start
+            rounds = [x for req in engine.finished.values() for x in req.stats.rounds]
+            rows[r] = {
+                "tokens_per_s": sum(len(o) for o in outs) / wall,
+                "wall_s": wall,
+                "steps": len(engine.step_log),
+                "mean_budget_per_request": sum(x.verified for x in rounds) / max(len(rounds), 1),
+                "tau": sum(x.accepted + 1 for x in rounds) / max(len(rounds), 1),
+            }
+            bar.update()
+        results["methods"][label] = rows
+    bar.close()
+    return results
+
+
+def write_load_report(results: dict, out_dir, cost_table=None, command: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .profiler import plot_cost_table
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    conc = results["concurrency"]
+    methods = results["methods"]
+    lines = [
+        f"# Throughput under load (DSparkEngine)\n\n`{command}`\n",
+        f"Temperature 1, {results['max_new_tokens']} new tokens per request, R requests started together; single-request "
+        f"plain `generate()`: {results['plain_generate_tokens_per_s']:.1f} tok/s.\n",
+        "## Generated tokens / s\n",
+        "| method | " + " | ".join(f"R={r}" for r in conc) + " |",
+        "|---" * (len(conc) + 1) + "|",
+    ]
+    for label, rows in methods.items():
+        lines.append(f"| {label} | " + " | ".join(f"{rows[r]['tokens_per_s']:.1f}" for r in conc) + " |")
+    lines += ["\n## Mean verification budget per request per step (drafts verified) / tau\n",
+              "| method | " + " | ".join(f"R={r}" for r in conc) + " |", "|---" * (len(conc) + 1) + "|"]  # fmt: skip
+    for label, rows in methods.items():
+        lines.append(f"| {label} | " + " | ".join(f"{rows[r]['mean_budget_per_request']:.2f} / {rows[r]['tau']:.2f}" for r in conc) + " |")
+    (out / "load.md").write_text("\n".join(lines) + "\n")
+    (out / "load.json").write_text(json.dumps({"command": command, **results}, indent=2) + "\n")
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, rows in methods.items():
+        ax1.plot(conc, [rows[r]["tokens_per_s"] for r in conc], marker="o", label=label)
+        ax2.plot(conc, [rows[r]["mean_budget_per_request"] for r in conc], marker="o", label=label)
+    ax1.axhline(results["plain_generate_tokens_per_s"], color="k", linestyle="--", linewidth=1, label="plain generate(), 1 request")
+    ax1.set(xscale="log", xlabel="concurrent requests R", ylabel="generated tokens / s", title="throughput")
+    ax2.set(xscale="log", xlabel="concurrent requests R", ylabel="drafts verified per request per step", title="verification budget")
+    for ax in (ax1, ax2):
+        ax.set_xticks(conc, [str(r) for r in conc])
+    ax1.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "load.png", dpi=120)
+    plt.close(fig)
+    if cost_table is not None:
+        plot_cost_table(cost_table, out / "sps.png", title="SPS(B), SmolLM2-135M bf16, this CPU")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from modeling_dspark import DSparkModel, load_target
+
+    from .profiler import profile_sps
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drafter", required=True)
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    target, tokenizer = load_target(args.target, dtype=torch.bfloat16)
+    drafter = DSparkModel.from_pretrained(args.drafter, dtype=torch.bfloat16).eval()
+    cost = profile_sps(target, max_tokens=8 * max(args.concurrency))
+    results = run_load(target, drafter, tokenizer, concurrency=args.concurrency, max_new_tokens=args.max_new_tokens, cost_table=cost)
+    results["cost_table"] = dict(zip(cost.tokens, cost.steps_per_second))
+    command = "python -m generation.load_benchmark " + " ".join(argv if argv is not None else sys.argv[1:])
+    write_load_report(results, args.out, cost, command)
+    for label, rows in results["methods"].items():
+        print(f"{label:>15}: " + "  ".join(f"R={r} {v['tokens_per_s']:.1f}" for r, v in rows.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
