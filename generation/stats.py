@@ -19,6 +19,8 @@ class DSparkRound:
 @dataclass
 class DSparkGenerationStats:
     rounds: list[DSparkRound] = field(default_factory=list)
+    # the round being verified right now (drafted, not yet counted): what a streamer sees while tokens arrive
+    pending: DSparkRound | None = None
 
     @property
     def num_rounds(self) -> int:
