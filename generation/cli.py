@@ -81,6 +81,7 @@ WORKFLOW = {
     "adapt": ("modeling_dspark.adapt", "LoRA-adapt a trained drafter to a new domain with PEFT"),
     "eval": ("generation.harness", "the paper's tau evaluation on the nine benchmarks, tables and plots"),
     "bench": ("generation.speed", "wall-clock speed at batch size 1 against plain generate() and prompt lookup"),
+    "profile": ("generation.profiler", "measure the target's SPS(B) cost table (cached on disk) and plot it"),
     "load": ("generation.load_benchmark", "batched engine throughput under load for every scheduler"),
     "card": ("hub_cards.cards", "write a drafter folder's model card (README.md) from its config and results"),
     "push": ("hub_cards.push", "upload a drafter folder to the Hugging Face Hub (remote code included)"),

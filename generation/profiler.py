@@ -94,3 +94,30 @@ def plot_cost_table(cost: CostTable, path, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``dspark profile``: measure (or show the cached) cost table of an embedded target and plot it."""
+    import argparse
+
+    from modeling_dspark import load_target
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--context-length", type=int, default=256)
+    parser.add_argument("--remeasure", action="store_true", help="ignore the cached table")
+    parser.add_argument("--plot", default=None, help="PNG to draw the table into")
+    args = parser.parse_args(argv)
+    target, _ = load_target(args.target, dtype=torch.bfloat16)
+    cost = profile_sps(target, max_tokens=args.max_tokens, context_length=args.context_length, use_cache=not args.remeasure)
+    print(f"cost table ({cost_table_path(target, args.context_length)}):")
+    for b, s in zip(cost.tokens, cost.steps_per_second):
+        print(f"  B={b:>4}: {s:7.2f} steps/s  ({b * s:8.1f} tokens/s)")
+    if args.plot:
+        plot_cost_table(cost, args.plot, title=f"SPS(B), {args.target}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
