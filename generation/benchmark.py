@@ -55,22 +55,12 @@ def verified_rounds(target, drafter, prompt_ids: list[list[int]], *, max_new_tok
 
 def measure_tau(target, drafter, tokenizer, prompts: list[dict], *, max_new_tokens: int = 128, seed: int = 0) -> dict:
     """Pooled tau (sum of accepted + 1 over all rounds / rounds) and per-position prefix survival."""
-    gamma = drafter.config.block_size
-    produced = rounds = 0
-    survived = [0] * gamma
-    offered = [0] * gamma
+    from modeling_dspark.metrics import round_acceptance
+
     prompt_ids = [chat_input_ids(tokenizer, row["prompt"])[0].tolist() for row in prompts]
-    for r in verified_rounds(target, drafter, prompt_ids, max_new_tokens=max_new_tokens, seed=seed):
-        produced += r.accepted + 1
-        rounds += 1
-        for k in range(r.verified):
-            offered[k] += 1
-            survived[k] += r.accepted > k
-    return {
-        "tau": produced / rounds if rounds else float("nan"),
-        "rounds": rounds,
-        "prefix_acceptance": [s / o if o else float("nan") for s, o in zip(survived, offered)],
-    }
+    rounds = list(verified_rounds(target, drafter, prompt_ids, max_new_tokens=max_new_tokens, seed=seed))
+    stats = round_acceptance([r.accepted for r in rounds], [r.verified for r in rounds], drafter.config.block_size)
+    return {key: stats[key] for key in ("tau", "rounds", "prefix_acceptance")}
 
 
 @torch.no_grad()

@@ -151,7 +151,8 @@ class DSparkTrainer(Trainer):
                 tau, rates = result["expected_tau"], result["acceptance_rate_per_position"]
             else:
                 num, den = torch.stack(pending["accept_num"]).sum(0), torch.stack(pending["accept_den"]).sum(0)
-                tau, rates = expected_tau(num, den), (num / den.clamp(min=1)).tolist()
+                result = expected_tau_from_sums(num.tolist(), den.tolist())
+                tau, rates = result["expected_tau"], result["acceptance_rate_per_position"]
             logs[prefix + "expected_tau"] = tau
             for k, rate in enumerate(rates):
                 logs[f"{prefix}accept_rate@{k}"] = rate
