@@ -12,12 +12,14 @@ from .hooks import (
 )
 from .eagle3_candidate_generator import Eagle3CandidateGenerator
 from .engine import DSparkEngine, EngineRequest
-from .profiler import plot_cost_table, profile_sps
-from .scheduler import CostTable
+from .profiler import plot_cost_table, profile_draft_cost, profile_sps, profile_verify_cost
+from .scheduler import CostTable, DraftCost, PaddedCostTable
 from .stats import DSparkGenerationStats, DSparkRound
 
 __all__ = [
     "CostTable",
+    "DraftCost",
+    "PaddedCostTable",
     "DSparkCandidateGenerator",
     "DSparkEngine",
     "EngineRequest",
@@ -31,7 +33,9 @@ __all__ = [
     "is_dspark_drafter",
     "is_hidden_state_drafter",
     "plot_cost_table",
+    "profile_draft_cost",
     "profile_sps",
+    "profile_verify_cost",
     "propose_block",
     "uninstall_generate_hook",
 ]

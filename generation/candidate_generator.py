@@ -18,6 +18,8 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from modeling_dspark.markov_head import sample_categorical
+
 from .stats import DSparkGenerationStats, DSparkRound
 
 __all__ = ["DSparkCandidateGenerator", "DraftProposal", "HiddenStateCandidateGenerator", "check_assisted_inputs", "propose_block"]
@@ -73,7 +75,7 @@ def propose_block(
         if logits_processor is not None:
             step = logits_processor(ids, step)
         if do_sample:
-            token = torch.multinomial(torch.softmax(step, dim=-1), 1)[0]
+            token = sample_categorical(torch.softmax(step, dim=-1))
         else:
             token = step.argmax(dim=-1)
         tokens.append(token)

@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from modeling_dspark.markov_head import sample_categorical
+
 from .candidate_generator import HiddenStateCandidateGenerator
 from .stats import DSparkRound
 
@@ -60,7 +62,7 @@ class Eagle3CandidateGenerator(HiddenStateCandidateGenerator):
             step = self.lm_head(normed[:, -1].to(self.lm_head.weight.dtype)).float()  # [1, V]
             if self.logits_processor is not None:
                 step = self.logits_processor(ids, step)
-            token = torch.multinomial(torch.softmax(step, dim=-1), 1)[0] if self.do_sample else step.argmax(dim=-1)
+            token = sample_categorical(torch.softmax(step, dim=-1)) if self.do_sample else step.argmax(dim=-1)
             tokens.append(token)
             logits.append(step)
             ids = torch.cat([ids, token[None].to(ids.device)], dim=-1)

@@ -9,13 +9,25 @@ positions, then commit each row's accepted tokens and roll the rejected ones out
 added between steps. Greedy rows reproduce the target's greedy decoding, sampled rows its distribution
 (``generation.verification``), under every scheduler: each one is non-anticipating.
 
-    engine = DSparkEngine(target, drafter, scheduler="algorithm1")        # profiles SPS(B) once, cached on disk
+The cost-aware schedulers (Algorithm 1, asynchronous) maximise tokens per second with the engine's real costs:
+the right-padded verify forward (:class:`PaddedCostTable`) and the drafter call for R rows and D slots
+(:class:`DraftCost`), both profiled once per machine and cached on disk. Before drafting, the step's depth D is
+planned from each request's survival in earlier steps (:func:`plan_draft_depth`); D = 0 skips the drafter, and
+the draft LM head and sampling loop run over the first D slots only. A step that skips drafting still records
+the target features the drafter needs later, and every ``probe_interval`` skipped steps one slot is drafted
+to refresh the estimates (and every ``probe_interval`` planned steps, and first at each load level, one plain
+step is taken to measure what drafting is compared with). The profiled tables are a prior: each step's wall time is compared with what they
+predict, and the plan scales each depth's modelled time by the measured ratio (a moving average per load level),
+which corrects what a profile cannot see (the requests' real context lengths, cache holes, per-step overheads). ``draft_cost=False`` schedules as in the paper (full blocks, ``Theta = tau * SPS(B)``).
+
+    engine = DSparkEngine(target, drafter, scheduler="algorithm1")        # profiles the costs once, cached on disk
     outputs = engine.generate([ids_a, ids_b], max_new_tokens=128, temperature=0.7)
 """
 
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -25,7 +37,10 @@ from transformers.cache_utils import DynamicCache
 from .ragged_cache import RaggedCache
 from .scheduler import (
     CostTable,
+    DraftCost,
+    PaddedCostTable,
     async_capacity,
+    plan_draft_depth,
     schedule_algorithm1,
     schedule_fixed,
     schedule_threshold,
@@ -53,6 +68,8 @@ class EngineRequest:
     stats: DSparkGenerationStats = field(default_factory=DSparkGenerationStats)
     # drafting state: target features of committed tokens the drafter has not seen yet
     pending_features: torch.Tensor | None = None
+    # expected survival per block slot, from this request's drafted steps (an exponential moving average)
+    survival_estimate: list[float] | None = None
 
     @property
     def anchor_position(self) -> int:
@@ -65,8 +82,14 @@ class DSparkEngine:
 
     ``scheduler``: ``"none"`` (plain batched decoding, no drafter call), ``"fixed"`` (``num_verify`` drafts per
     request), ``"threshold"`` (survival >= ``threshold``), ``"algorithm1"`` (Algorithm 1 on the cost table) or
-    ``"async"`` (capacity from confidences two steps old, then top-K of the current survival). The cost table
-    is ``cost_table`` or, when a cost-aware scheduler needs one, :func:`generation.profile_sps` of the target."""
+    ``"async"`` (capacity from confidences two steps old, then top-K of the current survival).
+
+    Costs of the cost-aware schedulers: ``cost_table`` (a :class:`CostTable` or :class:`PaddedCostTable`) and
+    ``draft_cost`` (a :class:`DraftCost`). When ``cost_table`` is None both are profiled on the real models
+    (:func:`generation.profile_verify_cost`, :func:`generation.profile_draft_cost`); a given ``cost_table`` without
+    ``draft_cost`` (or ``draft_cost=False``) schedules as the paper does: full blocks drafted every step, drafting
+    time left out of ``Theta``. ``adapt_costs=False`` keeps the tables as they are (no correction by measured step
+    times)."""
 
     def __init__(
         self,
@@ -76,7 +99,10 @@ class DSparkEngine:
         scheduler: str = "algorithm1",
         num_verify: int | None = None,
         threshold: float = 0.3,
-        cost_table: CostTable | None = None,
+        cost_table: CostTable | PaddedCostTable | None = None,
+        draft_cost: DraftCost | bool | None = None,
+        probe_interval: int = 16,
+        adapt_costs: bool = True,
         compact_slack: int = 32,
     ):
         if scheduler not in SCHEDULERS:
@@ -106,10 +132,26 @@ class DSparkEngine:
             raise ValueError(f"num_verify must be in [0, block_size={self.block_size}], got {self.num_verify}")
         self.threshold = float(threshold)
         if scheduler in ("algorithm1", "async") and cost_table is None:
-            from .profiler import profile_sps
+            from .profiler import profile_draft_cost, profile_verify_cost
 
-            cost_table = profile_sps(target, max_tokens=max(64, 8 * (self.block_size + 1)))
-        self.cost_table = cost_table
+            cost_table = profile_verify_cost(target, max_width=self.block_size + 1)
+            if draft_cost is None:
+                draft_cost = profile_draft_cost(target, drafter)
+        if draft_cost is False or scheduler not in ("algorithm1", "async"):
+            draft_cost = None
+        if draft_cost is not None:
+            if not isinstance(draft_cost, DraftCost):
+                raise ValueError(f"draft_cost must be a DraftCost, None or False, got {type(draft_cost).__name__}")
+            if draft_cost.max_depth < self.block_size:
+                raise ValueError(f"draft_cost covers {draft_cost.max_depth} slots, the drafter drafts {self.block_size}")
+        if probe_interval < 1:
+            raise ValueError(f"probe_interval must be >= 1, got {probe_interval}")
+        self.cost_table, self.draft_cost, self.probe_interval = cost_table, draft_cost, probe_interval
+        self._mean_survival: list[float] | None = None  # over every drafted row, for requests not drafted yet
+        self._steps_since_draft = 0
+        self._planned_steps = 0
+        self._cost_ratio: dict[tuple[int, int], float] = {}  # (load level, depth) -> measured / modelled step time
+        self.adapt_costs = adapt_costs
         self.compact_slack = compact_slack
         self.lm_head = target.get_output_embeddings()
         self.input_embeddings = target.get_input_embeddings()
@@ -204,9 +246,9 @@ class DSparkEngine:
         return new
 
     @torch.no_grad()
-    def _draft(self, requests):
-        """One drafter forward for every row; returns tokens [R, B], processed logits q [R, B, V] and raw
-        confidence logits [R, B] (None without a confidence head)."""
+    def _draft(self, requests, depth: int):
+        """One drafter forward for every row, the first ``depth`` slots sampled; returns tokens [R, D], processed
+        logits q [R, D, V] and raw confidence logits [R, D] (None without a confidence head)."""
         drafter, device = self.drafter, self.drafter.device
         num_rows, gamma = len(requests), self.block_size
         counts = [r.pending_features.shape[0] for r in requests]
@@ -229,7 +271,8 @@ class DSparkEngine:
         self.draft_cache.extend(ctx_valid)
         for r in requests:
             r.pending_features = None
-        h = out.last_hidden_state  # [R, B, d]
+        # the whole block goes through the backbone (its slots attend to each other), the LM head only where sampled
+        h = out.last_hidden_state[:, :depth]  # [R, D, d]
         base = self.lm_head(h.to(self.lm_head.weight.dtype)).float()
         temperature, top_p, greedy = self._settings(requests)
         prev, state = anchors, None
@@ -237,7 +280,7 @@ class DSparkEngine:
         if markov is not None:
             state = markov.initial_state(h[:, 0])
         tokens, logits, confidences = [], [], []
-        for k in range(gamma):
+        for k in range(depth):
             if drafter.confidence_head is not None:
                 confidences.append(drafter.confidence_logits(h[:, k], prev))
             step = base[:, k]
@@ -256,19 +299,77 @@ class DSparkEngine:
         survival = torch.cumprod(conf.double(), dim=-1).tolist()
         return [s[:n] for s, n in zip(survival, drafted)]
 
-    def _schedule(self, requests, drafted, confidence_logits) -> list[int]:
+    def _plan_depth(self, requests) -> int:
+        """Slots to draft this step, decided before drafting (from earlier steps only)."""
         if self.scheduler == "none":
-            return [0] * len(requests)
+            return 0
+        if self.scheduler == "fixed":
+            return self.num_verify
+        if self.draft_cost is None:
+            return self.block_size
+        estimates = [r.survival_estimate or self._mean_survival for r in requests]
+        if any(e is None for e in estimates) or self._steps_since_draft + 1 >= self.probe_interval:
+            # nothing known yet, or time to refresh what is known: one slot is the cheapest look, and the slots
+            # beyond it are estimated optimistically (as the last one seen), so deeper drafting gets tried if it may pay
+            return 1
+        level = self._load_level(len(requests))
+        self._planned_steps += 1
+        if self.adapt_costs and ((level, 0) not in self._cost_ratio or self._planned_steps % self.probe_interval == 0):
+            return 0  # measure a plain step at this load, and re-measure it now and then (the plan compares with it)
+        return plan_draft_depth(
+            estimates, self.cost_table, self.draft_cost, self.block_size, cost_scale=lambda d: self._scale(level, d)
+        )
+
+    @staticmethod
+    def _load_level(num_rows: int) -> int:
+        return 1 << (num_rows - 1).bit_length()  # 1, 2, 4, 8, ...: rows whose costs behave alike
+
+    def _scale(self, level: int, depth: int) -> float:
+        if (level, depth) in self._cost_ratio:
+            return self._cost_ratio[level, depth]
+        known = [r for (lv, _), r in self._cost_ratio.items() if lv == level]
+        return sum(known) / len(known) if known else 1.0
+
+    def _record_step_time(self, num_rows: int, depth: int, lengths: list[int], seconds: float) -> None:
+        """Fold a measured step time into the (load level, depth) ratio of measured to modelled time."""
+        if self.draft_cost is None or not self.adapt_costs or seconds <= 0:
+            return
+        width = 1 + max(lengths, default=0)
+        modelled = self.draft_cost.draft_seconds(num_rows, depth) + self.cost_table.step_seconds(num_rows, num_rows + sum(lengths), width)
+        key = (self._load_level(num_rows), depth)
+        ratio = seconds / modelled
+        self._cost_ratio[key] = ratio if key not in self._cost_ratio else 0.7 * self._cost_ratio[key] + 0.3 * ratio
+
+    def _update_estimates(self, requests, survival) -> None:
+        """Moving averages of each request's survival per slot (and of all rows'), kept non-increasing."""
+        def blend(old, new):
+            merged = list(new) + (old[len(new) :] if old else [new[-1]] * (self.block_size - len(new)))
+            if old:
+                merged = [0.5 * a + 0.5 * b for a, b in zip(old, merged[: len(new)])] + merged[len(new) :]
+            return [min(merged[: k + 1]) for k in range(len(merged))]
+
+        observed = [s for s in survival if s]
+        for r, s in zip(requests, survival):
+            if s:
+                r.survival_estimate = blend(r.survival_estimate, s)
+        if observed:
+            depth = min(len(s) for s in observed)
+            mean = [sum(s[k] for s in observed) / len(observed) for k in range(depth)]
+            self._mean_survival = blend(self._mean_survival, mean)
+
+    def _schedule(self, requests, drafted, depth, confidence_logits) -> list[int]:
         if self.scheduler == "fixed":
             return schedule_fixed(drafted, self.num_verify)
         survival = self._survival(confidence_logits, drafted)
         if self.scheduler == "threshold":
             return schedule_threshold(survival, self.threshold)
+        self._update_estimates(requests, survival)
+        spent = self.draft_cost.draft_seconds(len(requests), depth) if self.draft_cost is not None else 0.0
         if self.scheduler == "algorithm1":
-            return schedule_algorithm1(survival, self.cost_table)
+            return schedule_algorithm1(survival, self.cost_table, draft_seconds=spent)
         # asynchronous: the budget comes from the oldest remembered step (two steps back once warm)
         if self._survival_history:
-            capacity = async_capacity(self._survival_history[0], self.cost_table, num_requests=len(requests))
+            capacity = async_capacity(self._survival_history[0], self.cost_table, num_requests=len(requests), draft_seconds=spent)
         else:
             capacity = len(requests)
         self._survival_history.append(survival)
@@ -286,14 +387,18 @@ class DSparkEngine:
             return done
         device = self.target.device
         num_rows = len(requests)
+        started = time.perf_counter()
         remaining = [r.max_new_tokens - len(r.output_ids) for r in requests]
-        drafted = [max(0, min(self.block_size, n - 1)) for n in remaining]
-        if self.drafter is not None and any(drafted):
-            drafts, draft_logits, confidence_logits = self._draft(requests)
+        depth = min(self._plan_depth(requests), max(remaining) - 1)
+        drafted = [max(0, min(depth, n - 1)) for n in remaining]
+        if self.drafter is not None and depth > 0:
+            drafts, draft_logits, confidence_logits = self._draft(requests, depth)
+            self._steps_since_draft = 0
         else:
             drafts = torch.zeros(num_rows, 0, dtype=torch.long, device=device)
             draft_logits, confidence_logits = None, None
-        lengths = self._schedule(requests, drafted, confidence_logits) if drafts.shape[1] else [0] * num_rows
+            self._steps_since_draft += 1
+        lengths = self._schedule(requests, drafted, depth, confidence_logits) if drafts.shape[1] else [0] * num_rows
         longest = max(lengths)
         q_len = 1 + longest
         ids = torch.full((num_rows, q_len), self.pad_token_id, dtype=torch.long, device=device)
@@ -326,7 +431,9 @@ class DSparkEngine:
             z = confidence_logits[i, : lengths[i]].tolist() if confidence_logits is not None else []
             r.stats.rounds.append(DSparkRound(drafted=drafted[i] if drafts.shape[1] else 0, verified=lengths[i], accepted=n, confidence_logits=z))
             self._commit(r, ids_l[i][1 : 1 + n] + [next_l[i]])
-        self.step_log.append({"active": num_rows, "verified": int(sum(lengths)) + num_rows, "committed": int(sum(accepted_l)) + num_rows})
+        self._record_step_time(num_rows, depth if drafts.shape[1] else 0, lengths, time.perf_counter() - started)
+        self.step_log.append({"active": num_rows, "drafted": depth if drafts.shape[1] else 0,
+                              "verified": int(sum(lengths)) + num_rows, "committed": int(sum(accepted_l)) + num_rows})  # fmt: skip
         done += self._retire()
         self.target_cache.compact(self.compact_slack)
         self.draft_cache.compact(self.compact_slack)

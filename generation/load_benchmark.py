@@ -5,9 +5,13 @@ asynchronous variant, all through :class:`generation.DSparkEngine`.
     python -m generation.load_benchmark --drafter checkpoints/dspark-smollm2-135m-instruct
 
 R requests start together (eval prompts from GSM8K, HumanEval and MT-Bench in turn, seeded), each samples
-``--max-new-tokens`` tokens at temperature 1 (seed fixed per run); wall time includes prefill. The cost table
-is profiled once (``generation.profile_sps``) and plotted next to the results. The single-request reference is
-plain ``target.generate()`` on the same prompts and settings.
+``--max-new-tokens`` tokens at temperature 1 (seed fixed per run); wall time includes prefill. The single-request
+reference is plain ``target.generate()`` on the same prompts and settings.
+
+Algorithm 1 and the asynchronous variant run twice: with the paper's cost model (``SPS(B)`` of B flattened tokens,
+``generation.profile_sps``; full blocks drafted every step, drafting time left out) and with the engine's own
+(``profile_verify_cost``: the right-padded verify forward; ``profile_draft_cost``: the drafter for R rows and D
+slots; the depth planned before drafting, 0 = skip the drafter). All tables are profiled once, cached, plotted.
 """
 
 from __future__ import annotations
@@ -24,15 +28,17 @@ from .benchmark import chat_input_ids, load_eval_prompts
 
 __all__ = ["METHODS", "run_load", "write_load_report"]
 
-# label -> DSparkEngine keyword arguments
+# label -> DSparkEngine keyword arguments; "costs": which cost model a cost-aware scheduler gets
 METHODS = {
     "no speculation": {"scheduler": "none"},
     "fixed 1": {"scheduler": "fixed", "num_verify": 1},
     "fixed 3": {"scheduler": "fixed", "num_verify": 3},
     "fixed 7": {"scheduler": "fixed", "num_verify": 7},
     "threshold 0.3": {"scheduler": "threshold", "threshold": 0.3},
-    "algorithm 1": {"scheduler": "algorithm1"},
-    "asynchronous": {"scheduler": "async"},
+    "algorithm 1, paper cost": {"scheduler": "algorithm1", "costs": "paper"},
+    "asynchronous, paper cost": {"scheduler": "async", "costs": "paper"},
+    "algorithm 1": {"scheduler": "algorithm1", "costs": "engine"},
+    "asynchronous": {"scheduler": "async", "costs": "engine"},
 }
 
 
@@ -46,8 +52,10 @@ def _prompts(tokenizer, n: int, eval_dir=None) -> list[list[int]]:
 @torch.no_grad()
 def run_load(
     target, drafter, tokenizer, *, concurrency=(1, 2, 4, 8, 16, 32), methods=None, max_new_tokens: int = 64,
-    cost_table=None, eval_dir=None, seed: int = 0, progress: bool = True,
+    cost_table=None, verify_cost=None, draft_cost=None, eval_dir=None, seed: int = 0, progress: bool = True,
 ) -> dict:  # fmt: skip
+    """``cost_table``: the paper's SPS(B) table; ``verify_cost`` / ``draft_cost``: the engine's (profiled when
+    None and a method needs them)."""
     from tqdm.auto import tqdm
 
     from .engine import DSparkEngine
@@ -66,12 +74,22 @@ def run_load(
         plain_tokens += out.shape[1] - len(ids)
     results["plain_generate_tokens_per_s"] = plain_tokens / plain_time
     bar = tqdm(total=len(methods) * len(concurrency), desc="load benchmark", disable=not progress)
-    for label, kwargs in methods.items():
+    for label, spec in methods.items():
+        kwargs = {k: v for k, v in spec.items() if k != "costs"}
+        if spec.get("costs") == "paper":
+            kwargs.update(cost_table=cost_table, draft_cost=False)
+        elif spec.get("costs") == "engine":
+            if verify_cost is None or draft_cost is None:
+                from .profiler import profile_draft_cost, profile_verify_cost
+
+                verify_cost = verify_cost or profile_verify_cost(target, rows=tuple(sorted({1, 2, 4, 8, 16, 32, *concurrency})))
+                draft_cost = draft_cost or profile_draft_cost(target, drafter, rows=tuple(sorted({1, 2, 4, 8, 16, 32, *concurrency})))
+            kwargs.update(cost_table=verify_cost, draft_cost=draft_cost)
         rows = {}
         for r in concurrency:
-            engine = DSparkEngine(target, drafter, cost_table=cost_table, **kwargs)
+            engine = DSparkEngine(target, drafter, **kwargs)
             engine.generate(prompts[:1], max_new_tokens=4, temperature=1.0)  # warm-up of this engine's shapes
-            engine = DSparkEngine(target, drafter, cost_table=cost_table, **kwargs)
+            engine = DSparkEngine(target, drafter, **kwargs)
             torch.manual_seed(seed)
             start = time.perf_counter()
             outs = engine.generate(prompts[:r], max_new_tokens=max_new_tokens, temperature=1.0)
@@ -81,6 +99,7 @@ def run_load(
                 "tokens_per_s": sum(len(o) for o in outs) / wall,
                 "wall_s": wall,
                 "steps": len(engine.step_log),
+                "mean_draft_depth": sum(x["drafted"] for x in engine.step_log) / max(len(engine.step_log), 1),
                 "mean_budget_per_request": sum(x.verified for x in rounds) / max(len(rounds), 1),
                 "tau": sum(x.accepted + 1 for x in rounds) / max(len(rounds), 1),
             }
@@ -96,7 +115,7 @@ def write_load_report(results: dict, out_dir, cost_table=None, command: str = ""
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .profiler import plot_cost_table
+    from .profiler import plot_cost_table, plot_engine_costs
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -112,6 +131,10 @@ def write_load_report(results: dict, out_dir, cost_table=None, command: str = ""
     ]
     for label, rows in methods.items():
         lines.append(f"| {label} | " + " | ".join(f"{rows[r]['tokens_per_s']:.1f}" for r in conc) + " |")
+    lines += ["\n## Mean slots drafted per step (0 = drafter skipped)\n",
+              "| method | " + " | ".join(f"R={r}" for r in conc) + " |", "|---" * (len(conc) + 1) + "|"]  # fmt: skip
+    for label, rows in methods.items():
+        lines.append(f"| {label} | " + " | ".join(f"{rows[r].get('mean_draft_depth', 0):.2f}" for r in conc) + " |")
     lines += ["\n## Mean verification budget per request per step (drafts verified) / tau\n",
               "| method | " + " | ".join(f"R={r}" for r in conc) + " |", "|---" * (len(conc) + 1) + "|"]  # fmt: skip
     for label, rows in methods.items():
@@ -119,10 +142,11 @@ def write_load_report(results: dict, out_dir, cost_table=None, command: str = ""
     (out / "load.md").write_text("\n".join(lines) + "\n")
     (out / "load.json").write_text(json.dumps({"command": command, **results}, indent=2) + "\n")
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for label, rows in methods.items():
-        ax1.plot(conc, [rows[r]["tokens_per_s"] for r in conc], marker="o", label=label)
-        ax2.plot(conc, [rows[r]["mean_budget_per_request"] for r in conc], marker="o", label=label)
+        style = "--" if "paper cost" in label else "-"
+        ax1.plot(conc, [rows[r]["tokens_per_s"] for r in conc], style, marker="o", label=label)
+        ax2.plot(conc, [rows[r]["mean_budget_per_request"] for r in conc], style, marker="o", label=label)
     ax1.axhline(results["plain_generate_tokens_per_s"], color="k", linestyle="--", linewidth=1, label="plain generate(), 1 request")
     ax1.set(xscale="log", xlabel="concurrent requests R", ylabel="generated tokens / s", title="throughput")
     ax2.set(xscale="log", xlabel="concurrent requests R", ylabel="drafts verified per request per step", title="verification budget")
@@ -134,12 +158,18 @@ def write_load_report(results: dict, out_dir, cost_table=None, command: str = ""
     plt.close(fig)
     if cost_table is not None:
         plot_cost_table(cost_table, out / "sps.png", title="SPS(B), SmolLM2-135M bf16, this CPU")
+    if "verify_cost_seconds" in results and "draft_cost_seconds" in results:
+        from .scheduler import DraftCost, PaddedCostTable
+
+        verify = PaddedCostTable.from_dict(results["verify_cost_seconds"])
+        plot_engine_costs(verify, DraftCost.from_dict(results["draft_cost_seconds"]), out / "engine_costs.png",
+                          title="verify forward, SmolLM2-135M bf16")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     from modeling_dspark import DSparkModel, load_target
 
-    from .profiler import profile_sps
+    from .profiler import profile_draft_cost, profile_sps, profile_verify_cost
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", required=True)
@@ -151,8 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     target, tokenizer = load_target(args.target, dtype=torch.bfloat16)
     drafter = DSparkModel.from_pretrained(args.drafter, dtype=torch.bfloat16).eval()
     cost = profile_sps(target, max_tokens=8 * max(args.concurrency))
-    results = run_load(target, drafter, tokenizer, concurrency=args.concurrency, max_new_tokens=args.max_new_tokens, cost_table=cost)
+    rows = tuple(sorted({1, 2, 4, 8, 16, 32, *args.concurrency}))
+    verify_cost = profile_verify_cost(target, rows=rows, max_width=drafter.config.block_size + 1)
+    draft_cost = profile_draft_cost(target, drafter, rows=rows)
+    results = run_load(target, drafter, tokenizer, concurrency=args.concurrency, max_new_tokens=args.max_new_tokens,
+                       cost_table=cost, verify_cost=verify_cost, draft_cost=draft_cost)  # fmt: skip
     results["cost_table"] = dict(zip(cost.tokens, cost.steps_per_second))
+    results["verify_cost_seconds"] = verify_cost.to_dict()
+    results["draft_cost_seconds"] = draft_cost.to_dict()
     command = "python -m generation.load_benchmark " + " ".join(argv if argv is not None else sys.argv[1:])
     write_load_report(results, args.out, cost, command)
     for label, rows in results["methods"].items():

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from modeling_dspark.markov_head import sample_categorical
+
 __all__ = ["process_logits", "sample_tokens", "verify_drafts"]
 
 
@@ -33,7 +35,7 @@ def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
 
 def sample_tokens(processed: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
     """One token per row from processed logits [R, V]: argmax for greedy rows, a draw otherwise."""
-    drawn = torch.multinomial(processed.float().softmax(-1), 1)[:, 0]
+    drawn = sample_categorical(processed.float().softmax(-1))
     return torch.where(greedy, processed.argmax(-1), drawn)
 
 
@@ -71,6 +73,6 @@ def verify_drafts(
         mass = residual.sum(-1, keepdim=True)
         residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
         p_next = torch.where((rejected & ~greedy)[:, None], residual, p_next)
-    drawn = torch.multinomial(p_next, 1)[:, 0]
+    drawn = sample_categorical(p_next)
     next_token = torch.where(greedy, target_logits[rows, accepted].argmax(-1), drawn)
     return accepted, next_token

@@ -110,13 +110,21 @@ def build_loss_weights(eval_mask: torch.Tensor, decay: float) -> torch.Tensor:
     return eval_mask.float() * torch.exp(-k / decay)
 
 
-def compute_block_loss_terms(draft_logits, target_logits, target_ids, confidence_logits, weights):
+def compute_block_loss_terms(draft_logits, target_logits, target_ids, confidence_logits, weights, ce_target: str = "label"):
     """Weighted sums of the three terms over the given blocks (any leading shape, last axes [B, V]).
 
+    ``ce_target="label"`` is Eq. 9 (CE of the sampled response token); ``"distribution"`` is the cross-entropy to the
+    target's whole next-token distribution (distillation, what Eagle3 trains with; equal to KL + the target's entropy).
     Returns (ce_num, l1_num, confidence_num, accept_rate) with accept_rate = clamp(1 - 0.5 L1, 0, 1) per slot."""
     draft_logits, target_logits = draft_logits.float(), target_logits.float()
-    ce = F.cross_entropy(draft_logits.flatten(0, -2), target_ids.flatten(), reduction="none").view_as(weights)
-    l1 = (draft_logits.softmax(-1) - target_logits.softmax(-1)).abs().sum(-1)
+    target_probs = target_logits.softmax(-1)
+    if ce_target == "label":
+        ce = F.cross_entropy(draft_logits.flatten(0, -2), target_ids.flatten(), reduction="none").view_as(weights)
+    elif ce_target == "distribution":
+        ce = -(target_probs * draft_logits.log_softmax(-1)).sum(-1)
+    else:
+        raise ValueError(f"ce_target must be 'label' or 'distribution', got {ce_target!r}")
+    l1 = (draft_logits.softmax(-1) - target_probs).abs().sum(-1)
     accept_rate = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()  # Eq. 8: a label, not a path for gradients
     ce_num, l1_num = (weights * ce).sum(), (weights * l1).sum()
     if confidence_logits is None:
@@ -141,6 +149,7 @@ def compute_dspark_loss(
     ce_alpha: float = 0.1,
     l1_alpha: float = 0.9,
     confidence_alpha: float = 1.0,
+    ce_target: str = "label",
     decay: float = 4.0,
     chunk_size: int = 64,
     return_logits: bool = False,
@@ -175,7 +184,7 @@ def compute_dspark_loss(
         tgt_hidden = target_last_hidden[b].index_select(0, idx_c.flatten()).view(*idx_c.shape, -1)
         target_logits = lm_head(tgt_hidden.to(lm_head.weight.dtype)).detach()
         conf = drafter.confidence_logits(h_c, prev_c) if use_confidence else None
-        ce_n, l1_n, conf_n, accept = compute_block_loss_terms(draft, target_logits, tgt_c, conf, w_c)
+        ce_n, l1_n, conf_n, accept = compute_block_loss_terms(draft, target_logits, tgt_c, conf, w_c, ce_target)
         extras = (draft, target_logits, conf) if return_logits else ()
         return (ce_n, l1_n, conf_n, accept, *extras)
 

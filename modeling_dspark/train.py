@@ -45,6 +45,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--ce-alpha", type=float, default=0.1)
     p.add_argument("--l1-alpha", type=float, default=0.9)
     p.add_argument("--confidence-alpha", type=float, default=1.0)
+    p.add_argument(
+        "--ce-target",
+        choices=("label", "distribution"),
+        default="label",
+        help="CE of the sampled token (Eq. 9) or to the target's distribution (distillation)",
+    )
+    p.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation after training")
     p.add_argument("--seed", type=int, default=42)
     return p
 
@@ -102,12 +109,22 @@ def main(argv: list[str] | None = None) -> int:
         l1_alpha=args.l1_alpha,
         confidence_alpha=args.confidence_alpha if not args.no_confidence_head else 0.0,
         num_anchors=args.num_anchors,
+        ce_target=args.ce_target,
+        per_device_eval_batch_size=args.batch_size,
     )
-    trainer = DSparkTrainer(model=drafter, args=training_args, target=target, train_dataset=dataset)
+    eval_dataset = build_dataset(held_out, max_length=args.max_length) if held_out and not args.no_eval else None
+    trainer = DSparkTrainer(
+        model=drafter, args=training_args, target=target, train_dataset=dataset, eval_dataset=eval_dataset
+    )
     last = get_last_checkpoint(str(out_dir)) if out_dir.is_dir() else None
     start = time.time()
     result = trainer.train(resume_from_checkpoint=last)
     wall = time.time() - start
+    # the held-out prompts' responses: loss terms, per-position acceptance rates, expected tau (analytic, T = 1)
+    torch.manual_seed(args.seed)  # the same evaluation anchors for every run
+    held_out_metrics = trainer.evaluate() if eval_dataset is not None else None
+    if held_out_metrics is not None:
+        print(json.dumps(held_out_metrics, indent=2))
     if args.export and trainer.is_world_process_zero():
         export = Path(args.export)
         trainer.model.to(torch.bfloat16).save_pretrained(export)
@@ -126,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             "resumed_from": last,
             "final_train_loss": result.training_loss,
             "command": "python -m modeling_dspark.train " + " ".join(argv or __import__("sys").argv[1:]),
+            "held_out_eval": held_out_metrics,
             "log_history": trainer.state.log_history[-5:],
         }
         (export / "training_budget.json").write_text(json.dumps(budget, indent=2) + "\n")

@@ -26,6 +26,10 @@ class DSparkTrainingArguments(TrainingArguments):
     ce_alpha: float = field(default=0.1, metadata={"help": "weight of the cross-entropy term (Eq. 9)"})
     l1_alpha: float = field(default=0.9, metadata={"help": "weight of the L1 / total-variation term (Eq. 10)"})
     confidence_alpha: float = field(default=1.0, metadata={"help": "weight of the confidence BCE (Eq. 11)"})
+    ce_target: str = field(
+        default="label",
+        metadata={"help": "CE against the sampled token ('label', Eq. 9) or the target's distribution ('distribution')"},
+    )
     loss_decay: float = field(default=4.0, metadata={"help": "position weights exp(-k / loss_decay), k 0-based"})
     num_anchors: int | None = field(default=None, metadata={"help": "anchors per sequence (default: drafter config)"})
     logits_chunk_size: int = field(default=64, metadata={"help": "blocks whose full-vocabulary logits exist at once"})
@@ -104,6 +108,7 @@ class DSparkTrainer(Trainer):
             ce_alpha=args.ce_alpha,
             l1_alpha=args.l1_alpha,
             confidence_alpha=args.confidence_alpha,
+            ce_target=args.ce_target,
             decay=args.loss_decay,
             chunk_size=args.logits_chunk_size,
             return_logits=return_outputs,

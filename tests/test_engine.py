@@ -2,6 +2,7 @@
 the target's distribution, under every scheduler, with requests of different lengths joining and leaving."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -9,17 +10,22 @@ from test_generate_sampling import NEW, PROMPT, VOCAB, chi_square_pvalue, exact_
 
 import generation.engine as engine_module
 from generation import DSparkEngine
-from generation.scheduler import CostTable
+from generation.scheduler import CostTable, DraftCost, PaddedCostTable
 from generation.verification import process_logits
 from tiny_models import bigram_target, oracle_drafter, tiny_drafter, tiny_target
 
 COST = CostTable.from_dict({1: 100.0, 4: 95.0, 8: 90.0, 16: 80.0, 32: 60.0, 64: 40.0, 128: 20.0})
-SETTINGS = {
-    "none": {},
-    "fixed": {"num_verify": 3},
-    "threshold": {"threshold": 0.2},
-    "algorithm1": {"cost_table": COST},
-    "async": {"cost_table": COST},
+# the engine's own cost model: a padded verify forward and a drafter whose cost grows with the slots drafted
+PADDED = PaddedCostTable.from_dict({r: {w: 0.010 * (1 + 0.005 * r * w) for w in range(1, 9)} for r in (1, 4, 16)})
+DRAFT = DraftCost.from_dict({r: [0.001 * d * (1 + 0.1 * r) for d in range(1, 8)] for r in (1, 4, 16)})
+SETTINGS = {  # label -> DSparkEngine keyword arguments
+    "none": {"scheduler": "none"},
+    "fixed": {"scheduler": "fixed", "num_verify": 3},
+    "threshold": {"scheduler": "threshold", "threshold": 0.2},
+    "algorithm1": {"scheduler": "algorithm1", "cost_table": COST},
+    "async": {"scheduler": "async", "cost_table": COST},
+    "algorithm1+draft cost": {"scheduler": "algorithm1", "cost_table": PADDED, "draft_cost": DRAFT, "probe_interval": 3},  # fmt: skip
+    "async+draft cost": {"scheduler": "async", "cost_table": PADDED, "draft_cost": DRAFT, "probe_interval": 3},
 }
 
 
@@ -42,7 +48,7 @@ def test_batched_greedy_equals_plain_greedy_with_joins_and_leaves(scheduler, kin
     else:
         target = tiny_target("qwen3")
         drafter = tiny_drafter(target)
-    engine = DSparkEngine(target, drafter, scheduler=scheduler, **SETTINGS[scheduler])
+    engine = DSparkEngine(target, drafter, **SETTINGS[scheduler])
     ps = prompts(target.config.vocab_size)
     budgets = [23, 7, 30, 15, 11]
     streamed = {}
@@ -63,18 +69,18 @@ def test_batched_greedy_equals_plain_greedy_with_joins_and_leaves(scheduler, kin
     verified = sum(r.verified for rid in first + later for r in engine.finished[rid].stats.rounds)
     if scheduler != "none":
         assert verified > 0, "drafts must really have been verified"
-    if kind == "oracle" and scheduler in ("fixed", "algorithm1"):
+    if kind == "oracle" and scheduler in ("fixed", "algorithm1", "algorithm1+draft cost"):
         assert max(r.accepted for r in engine.finished[first[2]].stats.rounds) >= 3
     assert max(step["active"] for step in engine.step_log) >= 4  # the joiners overlapped the first requests
 
 
-def sample_engine_counts(scheduler, samples=2000, per_batch=10, seed=0, **settings):
+def sample_engine_counts(samples=2000, per_batch=10, seed=0, **settings):
     target = peaked_target()
     drafter = tiny_drafter(target, seed=7)
     torch.manual_seed(seed)
     counts, verified, accepted = {}, 0, 0
     for _ in range(samples // per_batch):
-        engine = DSparkEngine(target, drafter, scheduler=scheduler, **settings)
+        engine = DSparkEngine(target, drafter, **settings)
         outs = engine.generate([PROMPT[0].tolist()] * per_batch, max_new_tokens=NEW, temperature=1.0)
         for out in outs:
             counts[tuple(out)] = counts.get(tuple(out), 0) + 1
@@ -86,7 +92,7 @@ def sample_engine_counts(scheduler, samples=2000, per_batch=10, seed=0, **settin
 
 @pytest.mark.parametrize("scheduler", sorted(SETTINGS))
 def test_batched_sampling_matches_target(scheduler):
-    counts, verified, accepted = sample_engine_counts(scheduler, **SETTINGS[scheduler])
+    counts, verified, accepted = sample_engine_counts(**SETTINGS[scheduler])
     if scheduler != "none":
         assert verified > 1000 and 0 < accepted < verified, "tokens under test must come from verified drafts"
     assert chi_square_pvalue(counts, exact_distribution(peaked_target()), sum(counts.values())) > 1e-3
@@ -100,7 +106,7 @@ def test_broken_acceptance_is_detected(monkeypatch):
         return lengths.clone(), next_token
 
     monkeypatch.setattr(engine_module, "verify_drafts", accept_all)
-    counts, *_ = sample_engine_counts("fixed", num_verify=3)
+    counts, *_ = sample_engine_counts(scheduler="fixed", num_verify=3)
     assert chi_square_pvalue(counts, exact_distribution(peaked_target()), sum(counts.values())) < 1e-3
 
 
@@ -162,12 +168,22 @@ def test_profiler_measures_caches_and_the_load_benchmark_runs(tmp_path, monkeypa
     from test_harness import ByteChat
 
     from generation.load_benchmark import run_load, write_load_report
-    from generation.profiler import cost_table_path, profile_sps
+    from generation.profiler import cost_table_path, profile_draft_cost, profile_sps, profile_verify_cost
 
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
     target = tiny_target()
     cost = profile_sps(target, max_tokens=16, context_length=32, repeats=2, progress=False)
     assert cost.tokens == (1, 2, 3, 4, 6, 8, 12, 16) and all(s > 0 for s in cost.steps_per_second)
+    drafter = tiny_drafter(target)
+    verify = profile_verify_cost(target, rows=(1, 3), max_width=4, context_length=32, repeats=1, progress=False)
+    assert verify.rows == (1, 3) and verify.widths == (1, 2, 3, 4) and verify.forward_seconds(2, 3) > 0
+    draft = profile_draft_cost(target, drafter, rows=(1, 3), context_length=32, repeats=1, progress=False)
+    assert draft.rows == (1, 3) and draft.max_depth == drafter.config.block_size and draft.draft_seconds(3, 1) > 0
+    for kind, kw in (("verify", {}), ("draft", {"drafter": drafter})):
+        assert cost_table_path(target, 32, kind=kind, **kw).is_file()
+    assert profile_verify_cost(target, rows=(1,), max_width=2, context_length=32, progress=False).to_dict() == {
+        1: {w: verify.to_dict()[1][w] for w in (1, 2)}
+    }  # a subset of a cached table comes from disk
     path = cost_table_path(target, 32)
     assert path.is_file()
     stored = _json.loads(path.read_text())
@@ -179,11 +195,104 @@ def test_profiler_measures_caches_and_the_load_benchmark_runs(tmp_path, monkeypa
     eval_dir.mkdir()
     for name in ("gsm8k", "humaneval", "mt-bench"):
         (eval_dir / f"{name}.jsonl").write_text("".join(_json.dumps({"id": i, "prompt": f"{name} {i}", "domain": "x"}) + "\n" for i in range(2)))
-    methods = {"no speculation": {"scheduler": "none"}, "fixed 3": {"scheduler": "fixed", "num_verify": 3}, "algorithm 1": {"scheduler": "algorithm1"}}
-    results = run_load(target, tiny_drafter(target), ByteChat(96), concurrency=(1, 3), methods=methods, max_new_tokens=6,
-                       cost_table=COST, eval_dir=eval_dir, progress=False)  # fmt: skip
+    methods = {
+        "no speculation": {"scheduler": "none"},
+        "fixed 3": {"scheduler": "fixed", "num_verify": 3},
+        "algorithm 1, paper cost": {"scheduler": "algorithm1", "costs": "paper"},
+        "algorithm 1": {"scheduler": "algorithm1", "costs": "engine"},
+    }
+    results = run_load(target, drafter, ByteChat(96), concurrency=(1, 3), methods=methods, max_new_tokens=6,
+                       cost_table=COST, verify_cost=verify, draft_cost=draft, eval_dir=eval_dir, progress=False)  # fmt: skip
     assert results["methods"]["no speculation"][3]["mean_budget_per_request"] == 0
     assert results["methods"]["fixed 3"][1]["mean_budget_per_request"] > 0
+    fixed_depth = results["methods"]["fixed 3"][1]["mean_draft_depth"]
+    assert 0 < fixed_depth <= 3  # fixed k drafts k slots, not the block (fewer when the token limit is close)
+    assert results["methods"]["algorithm 1, paper cost"][1]["mean_draft_depth"] >= fixed_depth  # full blocks
+    results["verify_cost_seconds"], results["draft_cost_seconds"] = verify.to_dict(), draft.to_dict()
     write_load_report(results, tmp_path / "out", COST, "test")
-    for name in ("load.md", "load.json", "load.png", "sps.png"):
+    assert "Mean slots drafted" in (tmp_path / "out" / "load.md").read_text()
+    for name in ("load.md", "load.json", "load.png", "sps.png", "engine_costs.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0
+
+
+def test_depth_planned_from_earlier_steps_keeps_sampling_exact(monkeypatch):
+    """The drafting depth (0 = skip the drafter) may depend on anything drafted in earlier steps, rejected drafts
+    included, without biasing the output: an adversarial plan that hashes the previous survival into a depth."""
+    depths = []
+
+    def adversarial(estimates, cost, draft_cost, max_depth, **kwargs):
+        depths.append(int(1000 * estimates[0][0]) % 3)
+        return depths[-1]
+
+    monkeypatch.setattr(engine_module, "plan_draft_depth", adversarial)
+    counts, verified, accepted = sample_engine_counts(**SETTINGS["algorithm1+draft cost"], adapt_costs=False)
+    assert {0, 1, 2} <= set(depths), "the plan must really have varied, skips included"
+    assert verified > 500 and 0 < accepted < verified
+    assert chi_square_pvalue(counts, exact_distribution(peaked_target()), sum(counts.values())) > 1e-3
+
+
+def run_engine(target, drafter, n=24, rows=4, **settings):
+    engine = DSparkEngine(target, drafter, **settings)
+    outs = engine.generate(prompts(target.config.vocab_size, lengths=(5, 8, 3, 11)[:rows]), max_new_tokens=n)
+    return engine, outs
+
+
+def test_draft_cost_decides_whether_and_how_deep_to_draft():
+    target = bigram_target()
+    drafter = oracle_drafter(target)  # every draft is the target's own choice
+    with torch.no_grad():  # a constant confidence 0.8: survival 0.8, 0.64, 0.51, 0.41
+        drafter.confidence_head.proj.weight.zero_()
+        drafter.confidence_head.proj.bias.fill_(math.log(0.8 / 0.2))
+    gamma = drafter.config.block_size
+    plain = [plain_greedy(target, p, 24) for p in prompts(target.config.vocab_size, lengths=(5, 8, 3, 11))]
+
+    def drafted(draft_cost, **kw):
+        engine, outs = run_engine(
+            target, drafter, scheduler="algorithm1", cost_table=PADDED, draft_cost=draft_cost, adapt_costs=False, **kw
+        )
+        assert outs == plain
+        return [step["drafted"] for step in engine.step_log]
+
+    # drafting is free and a wider verify forward costs little more: full blocks
+    free = drafted(DraftCost.from_dict({4: [0.0] * gamma}))
+    assert sum(d == gamma for d in free) >= len(free) - 2, free
+    # a drafter call costs 100 target forwards: only the first step (nothing known yet) and the probes draft, one
+    # slot each
+    costly = drafted(DraftCost.from_dict({4: [1.0 * d for d in range(1, gamma + 1)]}), probe_interval=4)
+    assert costly[0] == 1 and set(costly) == {0, 1} and sum(d > 0 for d in costly) <= 1 + len(costly) // 4, costly
+    # a cost growing as D^2: the best depth is 2 (Theta 632 / 668 / 596 / 498 for D = 1..4 against 392 for D = 0)
+    medium = drafted(DraftCost.from_dict({4: [0.001 * d * d for d in range(1, gamma + 1)]}))
+    assert medium[0] == 1 and all(d <= 2 for d in medium[1:]) and sum(d == 2 for d in medium) >= len(medium) - 3, medium
+
+
+def test_engine_refuses_bad_cost_settings():
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    with pytest.raises(ValueError, match="DraftCost"):
+        DSparkEngine(target, drafter, scheduler="algorithm1", cost_table=COST, draft_cost={1: [0.1]})
+    with pytest.raises(ValueError, match="covers 2 slots, the drafter drafts 4"):
+        DSparkEngine(target, drafter, scheduler="algorithm1", cost_table=COST, draft_cost=DraftCost.from_dict({1: [0.1, 0.2]}))
+    with pytest.raises(ValueError, match="probe_interval"):
+        DSparkEngine(target, drafter, scheduler="algorithm1", cost_table=COST, draft_cost=DRAFT, probe_interval=0)
+
+
+def test_measured_step_times_correct_the_cost_model():
+    """The plan scales each depth's modelled step time by the measured ratio: a depth that turns out slower than
+    its tables say is given up, whichever the tables preferred."""
+    target = bigram_target()
+    drafter = oracle_drafter(target)
+    engine = DSparkEngine(target, drafter, scheduler="algorithm1", cost_table=PADDED, draft_cost=DraftCost.from_dict({4: [0.0] * 4}))
+    engine._record_step_time(4, 0, [0] * 4, 0.0102)  # plain steps: as modelled
+    assert engine._cost_ratio[4, 0] == pytest.approx(1.0)
+    engine._record_step_time(3, 4, [4] * 3, 0.110)  # a full block took 10x its model (load level 4 covers R = 3)
+    assert engine._cost_ratio[4, 4] == pytest.approx(10.0)
+    engine._record_step_time(4, 4, [4] * 4, 0.011)
+    assert engine._cost_ratio[4, 4] == pytest.approx(0.7 * 10 + 0.3 * 1.0)
+    assert engine._scale(4, 2) == pytest.approx((1.0 + 7.3) / 2)  # an unseen depth: the level's mean ratio
+    assert engine._scale(8, 1) == 1.0
+    from generation.scheduler import plan_draft_depth
+
+    sure = [[0.9, 0.8, 0.7, 0.6]] * 4
+    free = DraftCost.from_dict({4: [0.0] * 4})
+    assert plan_draft_depth(sure, PADDED, free, 4) == 4
+    assert plan_draft_depth(sure, PADDED, free, 4, cost_scale=lambda d: 1.0 if d == 0 else 5.0) == 0

@@ -8,7 +8,11 @@ import pytest
 
 from generation.scheduler import (
     CostTable,
+    DraftCost,
+    PaddedCostTable,
+    admission_groups,
     async_capacity,
+    plan_draft_depth,
     schedule_algorithm1,
     schedule_fixed,
     schedule_full_search,
@@ -36,8 +40,18 @@ def random_cost(rng, max_tokens=64):
     return CostTable.from_dict(table)
 
 
+def random_padded_cost(rng, max_width=8):
+    table, t = {}, 0.01
+    for w in range(1, max_width + 1):
+        t *= rng.choice([1.0, 1.02, 1.5])
+        table[w] = t
+    return PaddedCostTable.from_dict({1: table, 16: {w: 3 * v for w, v in table.items()}})
+
+
 SCHEDULERS = {
     "algorithm1": lambda s, c: schedule_algorithm1(s, c),
+    "algorithm1_padded": lambda s, c: schedule_algorithm1(s, random_padded_cost(random.Random(len(s)))),
+    "algorithm1_draft_seconds": lambda s, c: schedule_algorithm1(s, c, draft_seconds=0.5),
     "full_search": lambda s, c: schedule_full_search(s, c),
     "threshold": lambda s, c: schedule_threshold(s, 0.3),
     "top_k": lambda s, c: schedule_top_k(s, async_capacity(s, c)),
@@ -55,7 +69,7 @@ def test_admitted_tokens_are_a_prefix_of_the_highest_survivals_and_never_zero(na
         rejected = [a for values, n in zip(survival, lengths) for a in values[n:]]
         assert all(0 <= n <= len(values) for values, n in zip(survival, lengths))
         assert all(a > 0 for a in admitted), "a zero-survival token was admitted"
-        if name != "threshold" and admitted and rejected:
+        if name not in ("threshold", "algorithm1_padded") and admitted and rejected:
             assert min(admitted) >= max(rejected), "admission must follow the global survival order"
 
 
@@ -90,6 +104,45 @@ def test_cost_table_lookup_and_validation():
         CostTable((2, 1), (1.0, 1.0))
     with pytest.raises(ValueError, match="non-increasing"):
         schedule_algorithm1([[0.5, 0.6]], cost)
+
+
+def test_padded_cost_admits_level_by_level():
+    survival = [[0.9, 0.5, 0.1], [0.6, 0.3], [0.0]]
+    cost = PaddedCostTable.from_dict({4: {1: 1.0, 2: 1.2, 3: 1.4, 4: 5.0}})
+    assert admission_groups(survival, cost) == [[(0, 0), (1, 0)], [(0, 1), (1, 1)], [(0, 2)]]
+    # Theta 3 -> 4.5 / 1.2 = 3.75 (width 2) -> 5.3 / 1.4 = 3.79 (width 3) -> 5.4 / 5.0 (width 4, stop); taken one
+    # token at a time, the first draft alone (3.9 / 1.2 = 3.25) would already have looked like a loss
+    assert schedule_algorithm1(survival, cost) == [2, 2, 0]
+    assert schedule_full_search(survival, cost) == [2, 2, 0] and async_capacity(survival, cost) == 4
+    assert cost.forward_seconds(2, 1) == 1.0 and cost.forward_seconds(8, 2) == pytest.approx(2.4)  # rows beyond: linear
+    assert PaddedCostTable.from_dict(cost.to_dict()) == cost
+    with pytest.raises(ValueError, match="one time per"):
+        PaddedCostTable((1, 2), (1,), ((1.0,),))
+
+
+def test_draft_seconds_make_verifying_more_worthwhile():
+    rng = random.Random(3)
+    for _ in range(200):
+        survival, cost = random_survival(rng, rng.randint(1, 8)), random_cost(rng)
+        assert sum(schedule_full_search(survival, cost, draft_seconds=1.0)) >= sum(schedule_full_search(survival, cost))
+
+
+def test_draft_cost_lookup_and_depth_planning():
+    draft = DraftCost.from_dict({1: [0.001, 0.002, 0.003], 4: [0.002, 0.004, 0.006]})
+    assert draft.max_depth == 3 and draft.draft_seconds(3, 0) == 0.0 and draft.draft_seconds(3, 2) == 0.004
+    assert draft.draft_seconds(8, 1) == pytest.approx(0.004)  # linear beyond the profiled rows
+    with pytest.raises(ValueError, match="profiled up to 3"):
+        draft.draft_seconds(1, 4)
+    with pytest.raises(ValueError, match="same number of depths"):
+        DraftCost((1, 2), ((0.1,), (0.1, 0.2)))
+    flat = PaddedCostTable.from_dict({4: {w: 0.01 for w in range(1, 5)}})
+    sure, hopeless = [[0.9, 0.8, 0.7]] * 4, [[0.01, 0.001, 0.0]] * 4
+    assert plan_draft_depth(sure, flat, DraftCost.from_dict({4: [0.0] * 3}), 3) == 3  # free drafting, free width
+    assert plan_draft_depth(hopeless, flat, draft, 3) == 0  # skip the drafter: it cannot pay for itself
+    costly_slots = DraftCost.from_dict({4: [0.001, 0.02, 0.04]})
+    assert plan_draft_depth(sure, flat, costly_slots, 3) == 1
+    with pytest.raises(ValueError, match="max_depth=3"):
+        plan_draft_depth([[0.9]], flat, draft, 3)
 
 
 # ------------------------------------------------------------------------------------ Appendix A

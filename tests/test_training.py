@@ -115,6 +115,21 @@ def test_confidence_target_carries_no_gradient():
     assert draft.grad is None and conf.grad is not None and conf.grad.abs().sum() > 0
 
 
+def test_distribution_cross_entropy_is_kl_plus_target_entropy():
+    torch.manual_seed(0)
+    draft, target_logits, ids = torch.randn(3, 4, 10), torch.randn(3, 4, 10), torch.randint(0, 10, (3, 4))
+    w = torch.rand(3, 4)
+    ce_label, l1, _, _ = compute_block_loss_terms(draft, target_logits, ids, None, w)
+    ce_dist, l1_dist, _, _ = compute_block_loss_terms(draft, target_logits, ids, None, w, ce_target="distribution")
+    p_log, q_log = target_logits.log_softmax(-1), draft.log_softmax(-1)
+    kl = (p_log.exp() * (p_log - q_log)).sum(-1)
+    entropy = -(p_log.exp() * p_log).sum(-1)
+    assert torch.allclose(ce_dist, (w * (kl + entropy)).sum(), atol=1e-5)
+    assert not torch.allclose(ce_dist, ce_label) and torch.equal(l1, l1_dist)
+    with pytest.raises(ValueError, match="ce_target"):
+        compute_block_loss_terms(draft, target_logits, ids, None, w, ce_target="soft")
+
+
 def test_sts_keeps_ranking_and_lowers_ece_on_overconfident_scores():
     torch.manual_seed(0)
     true_logit = torch.randn(3000, 5) * 1.5 + 0.5
@@ -259,3 +274,27 @@ def test_trainer_evaluate_reports_expected_tau_through_the_metric(tmp_path):
     assert after["eval_loss"] < before["eval_loss"]
     # training logs never carry evaluation blocks, and evaluation does not eat pending training statistics
     assert all("eval_expected_tau" not in e for e in trainer.state.log_history if "loss" in e and "eval_loss" not in e)
+
+
+def test_ablation_report_compares_held_out_runs(tmp_path):
+    import json
+
+    from modeling_dspark.ablation import load_runs, write_ablation_report
+
+    for name, rates in (("a", [0.4, 0.2]), ("b", [0.5, 0.3])):
+        metrics = {"eval_expected_tau": 1 + rates[0] + rates[0] * rates[1], "eval_ce_loss": 3.0, "eval_l1_loss": 1.0}
+        metrics.update({f"eval_accept_rate@{k}": r for k, r in enumerate(rates)})
+        (tmp_path / name).mkdir()
+        budget = {"steps": 5, "wall_time_s_this_run": 1.0, "command": f"python -m modeling_dspark.train --x {name}", "held_out_eval": metrics}
+        (tmp_path / name / "training_budget.json").write_text(json.dumps(budget))
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "training_budget.json").write_text(json.dumps({"held_out_eval": None}))
+    runs = load_runs([f"a={tmp_path / 'a'}", f"b={tmp_path / 'b'}"])
+    write_ablation_report(runs, tmp_path / "out", "cmd")
+    table = (tmp_path / "out" / "ablation.md").read_text()
+    assert "| b | 5 | 1 | 1.650 | 3.00 | 1.000 | 0.500 | 0.300 | `--x b` |" in table
+    assert (tmp_path / "out" / "ablation.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="no held_out_eval"):
+        load_runs([f"c={tmp_path / 'c'}"])
+    with pytest.raises(SystemExit, match="LABEL=FOLDER"):
+        load_runs([str(tmp_path / "a")])
