@@ -26,7 +26,7 @@ import torch
 
 from .benchmark import chat_input_ids, load_eval_prompts
 
-__all__ = ["METHODS", "run_load", "write_load_report"]
+__all__ = ["METHODS", "engine_costs", "run_load", "write_load_report"]
 
 # label -> DSparkEngine keyword arguments; "costs": which cost model a cost-aware scheduler gets
 METHODS = {
@@ -40,6 +40,15 @@ METHODS = {
     "algorithm 1": {"scheduler": "algorithm1", "costs": "engine"},
     "asynchronous": {"scheduler": "async", "costs": "engine"},
 }
+
+
+def engine_costs(target, drafter, concurrency) -> tuple:
+    """The engine's profiled cost tables (padded verify forward, drafter) for the default rows and every R run."""
+    from .profiler import DEFAULT_ROWS, profile_draft_cost, profile_verify_cost
+
+    rows = tuple(sorted({*DEFAULT_ROWS, *concurrency}))
+    verify_cost = profile_verify_cost(target, rows=rows, max_width=drafter.config.block_size + 1)
+    return verify_cost, profile_draft_cost(target, drafter, rows=rows)
 
 
 def _prompts(tokenizer, n: int, eval_dir=None) -> list[list[int]]:
@@ -80,10 +89,7 @@ def run_load(
             kwargs.update(cost_table=cost_table, draft_cost=False)
         elif spec.get("costs") == "engine":
             if verify_cost is None or draft_cost is None:
-                from .profiler import profile_draft_cost, profile_verify_cost
-
-                verify_cost = verify_cost or profile_verify_cost(target, rows=tuple(sorted({1, 2, 4, 8, 16, 32, *concurrency})))
-                draft_cost = draft_cost or profile_draft_cost(target, drafter, rows=tuple(sorted({1, 2, 4, 8, 16, 32, *concurrency})))
+                verify_cost, draft_cost = engine_costs(target, drafter, concurrency)
             kwargs.update(cost_table=verify_cost, draft_cost=draft_cost)
         rows = {}
         for r in concurrency:
@@ -169,7 +175,7 @@ def write_load_report(results: dict, out_dir, cost_table=None, command: str = ""
 def main(argv: list[str] | None = None) -> int:
     from modeling_dspark import DSparkModel, load_target
 
-    from .profiler import profile_draft_cost, profile_sps, profile_verify_cost
+    from .profiler import profile_sps
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", required=True)
@@ -181,9 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     target, tokenizer = load_target(args.target, dtype=torch.bfloat16)
     drafter = DSparkModel.from_pretrained(args.drafter, dtype=torch.bfloat16).eval()
     cost = profile_sps(target, max_tokens=8 * max(args.concurrency))
-    rows = tuple(sorted({1, 2, 4, 8, 16, 32, *args.concurrency}))
-    verify_cost = profile_verify_cost(target, rows=rows, max_width=drafter.config.block_size + 1)
-    draft_cost = profile_draft_cost(target, drafter, rows=rows)
+    verify_cost, draft_cost = engine_costs(target, drafter, args.concurrency)
     results = run_load(target, drafter, tokenizer, concurrency=args.concurrency, max_new_tokens=args.max_new_tokens,
                        cost_table=cost, verify_cost=verify_cost, draft_cost=draft_cost)  # fmt: skip
     results["cost_table"] = dict(zip(cost.tokens, cost.steps_per_second))

@@ -110,7 +110,8 @@ def profile_verify_cost(
     if stored is not None:
         table = PaddedCostTable.from_dict(stored["seconds"])
         if set(rows) <= set(table.rows) and set(widths) <= set(table.widths):
-            return PaddedCostTable.from_dict({r: {w: table.to_dict()[r][w] for w in widths} for r in rows})
+            cached = table.to_dict()
+            return PaddedCostTable.from_dict({r: {w: cached[r][w] for w in widths} for r in rows})
     device = target.device
     vocab = target.config.get_text_config().vocab_size
     g = torch.Generator().manual_seed(0)
@@ -155,7 +156,8 @@ def profile_draft_cost(
     if stored is not None:
         table = DraftCost.from_dict(stored["seconds"])
         if set(rows) <= set(table.rows) and table.max_depth == depth:
-            return DraftCost.from_dict({r: table.to_dict()[r] for r in rows})
+            cached = table.to_dict()
+            return DraftCost.from_dict({r: cached[r] for r in rows})
     vocab = target.config.get_text_config().vocab_size
     g = torch.Generator().manual_seed(0)
     table = {}
@@ -175,8 +177,8 @@ def profile_draft_cost(
                 request.output_ids.append(int(request.output_ids[-1]))
 
         table[r] = []
+        feed()  # and again after every timed call
         for d in range(1, depth + 1):
-            feed()
             table[r].append(_median_seconds(lambda: engine._draft(requests, d), repeats, drafter.device, after=feed))
             bar.update()
     bar.close()
@@ -212,7 +214,6 @@ def profile_sps(
     for b in tqdm(points, desc="profiling SPS(B)", disable=not progress):
         ids = torch.randint(1, vocab, (1, b), generator=g).to(device)
         positions = torch.arange(context_length, context_length + b, device=device)[None]
-
 
         def forward():
             target(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)

@@ -68,8 +68,7 @@ class CostTable:
     def __post_init__(self):
         if not self.tokens or len(self.tokens) != len(self.steps_per_second):
             raise ValueError("a cost table needs one steps-per-second value per profiled token count")
-        if any(b <= a for a, b in zip(self.tokens, self.tokens[1:])) or self.tokens[0] < 1:
-            raise ValueError(f"profiled token counts must be increasing and >= 1, got {self.tokens}")
+        _check_grid("profiled token counts", self.tokens)
         if any(s <= 0 for s in self.steps_per_second):
             raise ValueError("steps per second must be positive")
 
@@ -79,7 +78,10 @@ class CostTable:
         return cls(tuple(b for b, _ in pairs), tuple(s for _, s in pairs))
 
     def sps(self, num_tokens: int) -> float:
-        return 1.0 / _ceil_lookup(self.tokens, [1.0 / s for s in self.steps_per_second], num_tokens)
+        i = bisect.bisect_left(self.tokens, num_tokens)
+        if i < len(self.tokens):
+            return self.steps_per_second[i]
+        return self.steps_per_second[-1] * self.tokens[-1] / num_tokens  # a forward's time grows linearly past the table
 
     def step_seconds(self, num_rows: int, num_tokens: int, width: int) -> float:
         """Seconds of a verify forward over ``num_tokens`` tokens in all (flattened, as in the paper)."""
@@ -116,8 +118,8 @@ class PaddedCostTable:
         return {r: dict(zip(self.widths, line)) for r, line in zip(self.rows, self.seconds)}
 
     def forward_seconds(self, num_rows: int, width: int) -> float:
-        per_rows = [_ceil_lookup(self.widths, line, width) for line in self.seconds]
-        return _ceil_lookup(self.rows, per_rows, num_rows)
+        i = min(bisect.bisect_left(self.rows, num_rows), len(self.rows) - 1)  # past the last row count: scaled below
+        return _ceil_lookup(self.widths, self.seconds[i], width) * max(1.0, num_rows / self.rows[-1])
 
     def step_seconds(self, num_rows: int, num_tokens: int, width: int) -> float:
         return self.forward_seconds(num_rows, width)
@@ -157,7 +159,8 @@ class DraftCost:
             return 0.0
         if depth > self.max_depth:
             raise ValueError(f"profiled up to {self.max_depth} drafted slots, asked for {depth}")
-        return _ceil_lookup(self.rows, [line[depth - 1] for line in self.seconds], num_rows)
+        i = min(bisect.bisect_left(self.rows, num_rows), len(self.rows) - 1)  # past the last row count: scaled
+        return self.seconds[i][depth - 1] * max(1.0, num_rows / self.rows[-1])
 
 
 def _check(survival: Sequence[Sequence[float]]) -> None:
