@@ -94,17 +94,19 @@ def measure_speed(target, drafter, tokenizer, prompts: list[dict], *, max_new_to
 
 def main(argv: list[str] | None = None) -> int:
     from modeling_dspark import DSparkModel, load_target
+    from modeling_dspark.targets import resolve_dtype
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", required=True)
     parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 where this CPU has fast bf16, else fp32), bf16 or fp32")
     parser.add_argument("--benchmarks", nargs="+", default=["gsm8k", "humaneval", "mt-bench"])
     parser.add_argument("--num-prompts", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args(argv)
-    target, tokenizer = load_target(args.target, dtype=torch.bfloat16)
-    drafter = DSparkModel.from_pretrained(args.drafter, dtype=torch.bfloat16).eval()
+    target, tokenizer = load_target(args.target, dtype=resolve_dtype(args.dtype))
+    drafter = DSparkModel.from_pretrained(args.drafter, dtype=target.dtype).eval()
     results = {"command": "python -m generation.benchmark " + " ".join(argv or __import__("sys").argv[1:]), "benchmarks": {}}
     for name in args.benchmarks:
         prompts = load_eval_prompts(name, args.num_prompts)

@@ -14,7 +14,7 @@ __all__ = ["main"]
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, then explain it briefly."
 # Where the trained SmolLM2 drafter is shipped (training issue); a random drafter is used until it exists.
 SHIPPED_DRAFTER = Path(__file__).resolve().parents[1] / "checkpoints" / "dspark-smollm2-135m-instruct"
-DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+DTYPE_CHOICES = ("auto", "bf16", "fp32")  # auto: bf16 where the CPU multiplies bf16 fast, else fp32
 
 
 def _timed_generate(target, input_ids, **kwargs):
@@ -27,6 +27,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from modeling_dspark import DSparkModel, load_target
+    from modeling_dspark.targets import resolve_dtype
 
     from .benchmark import chat_input_ids
 
@@ -35,8 +36,10 @@ def cmd_generate(args) -> int:
         print(f"error: drafter folder {drafter_path} does not exist", file=sys.stderr)
         return 2
     torch.manual_seed(args.seed)
-    dtype = getattr(torch, DTYPES[args.dtype])
-    print(f"loading {args.target} ({args.dtype}) ...", file=sys.stderr)
+    dtype = resolve_dtype(args.dtype)
+    dtype_name = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))
+    why = " (auto: this CPU has no fast bf16 matrix products)" if args.dtype == "auto" and dtype != torch.bfloat16 else ""
+    print(f"loading {args.target} ({dtype_name}{why}) ...", file=sys.stderr)
     target, tokenizer = load_target(args.target, dtype=dtype)
     if drafter_path.is_dir():
         drafter = DSparkModel.from_pretrained(drafter_path, dtype=dtype).eval()
@@ -64,12 +67,13 @@ def cmd_generate(args) -> int:
     text = tokenizer.decode(ds_out[0, input_ids.shape[1] :], skip_special_tokens=True)
     plain_tps, ds_tps = n_plain / plain_s, n_ds / ds_s
     print(f"drafter: {source}")
+    print(f"dtype: {dtype_name}{why}")
     print(f"prompt: {args.prompt}\n")
     print(text.strip() + "\n")
     print(f"tau (tokens per target forward, bonus included): {stats.tau:.2f} over {stats.num_rounds} rounds")
     print(f"plain generate():  {n_plain} tokens in {plain_s:.2f} s = {plain_tps:.1f} tok/s")
     print(f"DSpark generate(): {n_ds} tokens in {ds_s:.2f} s = {ds_tps:.1f} tok/s")
-    print(f"speed-up: {ds_tps / plain_tps:.2f}x ({args.dtype}, {'greedy' if args.temperature == 0 else f'T={args.temperature}'})")
+    print(f"speed-up: {ds_tps / plain_tps:.2f}x ({dtype_name}, {'greedy' if args.temperature == 0 else f'T={args.temperature}'})")
     return 0
 
 
@@ -103,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--truncation", choices=("fixed", "threshold"), default="threshold")
     gen.add_argument("--threshold", type=float, default=0.0, help="cumulative-survival threshold (threshold mode)")
-    gen.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    gen.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: bf16 where this CPU has fast bf16, else fp32")
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=cmd_generate)
     return parser

@@ -58,7 +58,7 @@ def load_drafter(path: str | Path, dtype=torch.bfloat16):
     return AutoModel.from_pretrained(path, dtype=dtype).eval()
 
 
-def load_drafter_specs(parser: argparse.ArgumentParser, specs: list[str]) -> dict:
+def load_drafter_specs(parser: argparse.ArgumentParser, specs: list[str], dtype=torch.bfloat16) -> dict:
     """``--drafter LABEL=PATH`` options to ``{label: drafter}``, with a clear error for a malformed or missing one."""
     drafters = {}
     for spec in specs:
@@ -66,7 +66,7 @@ def load_drafter_specs(parser: argparse.ArgumentParser, specs: list[str]) -> dic
         if not sep or not label or not path:
             parser.error(f"--drafter takes LABEL=PATH, got {spec!r}")
         try:
-            drafters[label] = load_drafter(path)
+            drafters[label] = load_drafter(path, dtype=dtype)
         except FileNotFoundError as e:
             parser.error(str(e))
     return drafters
@@ -268,24 +268,26 @@ def write_report(results: dict, out_dir: str | Path, command: str = "") -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from modeling_dspark import load_target
+    from modeling_dspark.targets import dtype_label, resolve_dtype
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", action="append", required=True, metavar="LABEL=PATH", help="repeat for each drafter")
     parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 where this CPU has fast bf16, else fp32), bf16 or fp32")
     parser.add_argument("--benchmarks", nargs="+", default=[b for names in DOMAINS.values() for b in names])
     parser.add_argument("--num-prompts", type=int, default=10, help="seeded subsample per benchmark")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
-    drafters = load_drafter_specs(parser, args.drafter)
-    target, tokenizer = load_target(args.target, dtype=torch.bfloat16)
+    target, tokenizer = load_target(args.target, dtype=resolve_dtype(args.dtype))
+    drafters = load_drafter_specs(parser, args.drafter, dtype=target.dtype)
     results = evaluate_drafters(
         target, tokenizer, drafters, benchmarks=args.benchmarks, num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens, seed=args.seed,
     )  # fmt: skip
     results["protocol"] = (
-        f"Target {args.target} (bf16), temperature 1, full blocks, first turn, {args.num_prompts} prompts per benchmark "
+        f"Target {args.target} ({dtype_label(target.dtype)}), temperature 1, full blocks, first turn, {args.num_prompts} prompts per benchmark "
         f"(seeded subsample, seed 980406), {args.max_new_tokens} new tokens, prompt i under seed {args.seed} + i."
     )
     command = "python -m generation.harness " + " ".join(argv if argv is not None else sys.argv[1:])

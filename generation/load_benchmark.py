@@ -162,34 +162,38 @@ def write_load_report(results: dict, out_dir, cost_table=None, command: str = ""
     fig.tight_layout()
     fig.savefig(out / "load.png", dpi=120)
     plt.close(fig)
+    dtype = results.get("dtype", "bf16")
     if cost_table is not None:
-        plot_cost_table(cost_table, out / "sps.png", title="SPS(B), SmolLM2-135M bf16, this CPU")
+        plot_cost_table(cost_table, out / "sps.png", title=f"SPS(B), SmolLM2-135M {dtype}, this CPU")
     if "verify_cost_seconds" in results and "draft_cost_seconds" in results:
         from .scheduler import DraftCost, PaddedCostTable
 
         verify = PaddedCostTable.from_dict(results["verify_cost_seconds"])
         plot_engine_costs(verify, DraftCost.from_dict(results["draft_cost_seconds"]), out / "engine_costs.png",
-                          title="verify forward, SmolLM2-135M bf16")  # fmt: skip
+                          title=f"verify forward, SmolLM2-135M {dtype}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     from modeling_dspark import DSparkModel, load_target
+    from modeling_dspark.targets import dtype_label, resolve_dtype
 
     from .profiler import profile_sps
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", required=True)
     parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 where this CPU has fast bf16, else fp32), bf16 or fp32")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
-    target, tokenizer = load_target(args.target, dtype=torch.bfloat16)
-    drafter = DSparkModel.from_pretrained(args.drafter, dtype=torch.bfloat16).eval()
+    target, tokenizer = load_target(args.target, dtype=resolve_dtype(args.dtype))
+    drafter = DSparkModel.from_pretrained(args.drafter, dtype=target.dtype).eval()
     cost = profile_sps(target, max_tokens=8 * max(args.concurrency))
     verify_cost, draft_cost = engine_costs(target, drafter, args.concurrency)
     results = run_load(target, drafter, tokenizer, concurrency=args.concurrency, max_new_tokens=args.max_new_tokens,
                        cost_table=cost, verify_cost=verify_cost, draft_cost=draft_cost)  # fmt: skip
+    results["dtype"] = dtype_label(target.dtype)
     results["cost_table"] = dict(zip(cost.tokens, cost.steps_per_second))
     results["verify_cost_seconds"] = verify_cost.to_dict()
     results["draft_cost_seconds"] = draft_cost.to_dict()

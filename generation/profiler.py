@@ -265,15 +265,17 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from modeling_dspark import load_target
+    from modeling_dspark.targets import resolve_dtype
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 where this CPU has fast bf16, else fp32), bf16 or fp32")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--context-length", type=int, default=256)
     parser.add_argument("--remeasure", action="store_true", help="ignore the cached table")
     parser.add_argument("--plot", default=None, help="PNG to draw the table into")
     args = parser.parse_args(argv)
-    target, _ = load_target(args.target, dtype=torch.bfloat16)
+    target, _ = load_target(args.target, dtype=resolve_dtype(args.dtype))
     cost = profile_sps(target, max_tokens=args.max_tokens, context_length=args.context_length, use_cache=not args.remeasure)
     print(f"cost table ({cost_table_path(target, args.context_length)}):")
     for b, s in zip(cost.tokens, cost.steps_per_second):

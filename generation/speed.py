@@ -117,7 +117,7 @@ def write_speed_report(result: dict, out_dir: str | Path, command: str = "") -> 
         f"# Speed at batch size 1\n\n`{command}`\n",
         f"{result['num_prompts']} prompts per domain ({', '.join(f'{d}: {b}' for d, b in result['domains'].items())}), "
         f"{result['max_new_tokens']} new tokens, {result['runs']} runs; median over runs (min-max). Ratio: against plain "
-        "`generate()` in the same decoding mode (greedy or sampled at T = 1), bf16, same run.\n",
+        f"`generate()` in the same decoding mode (greedy or sampled at T = 1), {result.get('dtype', 'bf16')}, same run.\n",
         "| method | " + " | ".join(f"{d} tok/s | {d} ratio" for d in domains) + " |",
         "|---" * (2 * len(domains) + 1) + "|",
     ]
@@ -158,20 +158,23 @@ def write_speed_report(result: dict, out_dir: str | Path, command: str = "") -> 
 
 def main(argv: list[str] | None = None) -> int:
     from modeling_dspark import load_target
+    from modeling_dspark.targets import dtype_label, resolve_dtype
 
     from .harness import load_drafter_specs
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", action="append", default=[], metavar="LABEL=PATH")
     parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 where this CPU has fast bf16, else fp32), bf16 or fp32")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
-    drafters = load_drafter_specs(parser, args.drafter)
-    target, tokenizer = load_target(args.target, dtype=torch.bfloat16)
+    target, tokenizer = load_target(args.target, dtype=resolve_dtype(args.dtype))
+    drafters = load_drafter_specs(parser, args.drafter, dtype=target.dtype)
     result = speed_benchmark(target, tokenizer, drafters, num_prompts=args.num_prompts, runs=args.runs, max_new_tokens=args.max_new_tokens)
+    result["dtype"] = dtype_label(target.dtype)
     command = "python -m generation.speed " + " ".join(argv if argv is not None else sys.argv[1:])
     write_speed_report(result, args.out, command)
     for m, per in result["methods"].items():

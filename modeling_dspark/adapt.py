@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=42)
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
-    target, _ = load_target(args.target, dtype=torch.bfloat16)
+    target, _ = load_target(args.target)  # auto dtype
     rows = read_responses(args.data)
     if not rows:
         raise SystemExit(f"no regenerated responses in {args.data}")

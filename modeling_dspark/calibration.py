@@ -199,19 +199,21 @@ def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     from . import DSparkModel, load_target
+    from .targets import resolve_dtype
     from .data import read_responses, split_holdout
 
     parser = argparse.ArgumentParser(description="Sequential Temperature Scaling of a drafter's confidence head")
     parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 where this CPU has fast bf16, else fp32), bf16 or fp32")
     parser.add_argument("--drafter", required=True)
     parser.add_argument("--data", required=True, help="regenerated responses; their held-out split is used")
     parser.add_argument("--num-prompts", type=int, default=120, help="held-out prompts (half fit, half report)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args(argv)
 
-    target, _ = load_target(args.target, dtype=torch.bfloat16)
+    target, _ = load_target(args.target, dtype=resolve_dtype(args.dtype))
     folder = Path(args.drafter)
-    drafter = DSparkModel.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    drafter = DSparkModel.from_pretrained(folder, dtype=target.dtype).eval()
     drafter.config.confidence_temperatures = None  # collect raw logits
     _, held_out = split_holdout(read_responses(args.data))
     prompts = [row["prompt_ids"] for row in held_out[: args.num_prompts]]

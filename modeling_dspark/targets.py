@@ -7,15 +7,17 @@ the result as safetensors so later loads take seconds instead of tens of seconds
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["KNOWN_TARGETS", "TargetSpec", "default_cache_dir", "load_target", "locate_gguf"]
+__all__ = ["KNOWN_TARGETS", "TargetSpec", "default_cache_dir", "dtype_label", "fast_dtype", "load_target", "locate_gguf", "resolve_dtype"]
 
 
 @dataclass(frozen=True)
@@ -50,9 +52,53 @@ def locate_gguf(name: str) -> Path:
     return path
 
 
-def load_target(name: str = "smollm2-135m-instruct", *, dtype: torch.dtype = torch.bfloat16, cache_dir: str | os.PathLike | None = None):
-    """``(model, tokenizer)`` for an embedded target, in ``dtype`` and in eval mode."""
+@functools.lru_cache(maxsize=None)
+def fast_dtype(device: str = "cpu") -> torch.dtype:
+    """bf16 where this device multiplies bf16 matrices at least about as fast as fp32, else fp32.
+
+    CPUs without native bf16 (AVX2-only, for example) run bf16 matrix products through a scalar fallback,
+    measured here at 0.4 GFLOP/s against 66 for fp32: a bf16 verification forward there is slower than
+    decoding token by token. A decode-shaped product (8 rows against a 512 x 1024 weight) is timed once per
+    process in both dtypes.
+    """
+    if device.startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    seconds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = torch.randn(8, 512, dtype=dtype, device=device), torch.randn(512, 1024, dtype=dtype, device=device)
+        x @ w  # first call pays for kernel selection
+        start = time.perf_counter()
+        for _ in range(5):
+            x @ w
+        seconds[dtype] = time.perf_counter() - start
+    return torch.bfloat16 if seconds[torch.bfloat16] <= 2.0 * seconds[torch.float32] else torch.float32
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: str = "cpu") -> torch.dtype:
+    """``"auto"`` (or None) -> `fast_dtype`; ``"bf16"``/``"bfloat16"``, ``"fp32"``/``"float32"``... -> that dtype."""
+    if dtype is None or dtype == "auto":
+        return fast_dtype(device)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if dtype in names:
+        return names[dtype]
+    resolved = getattr(torch, str(dtype), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, bf16, fp16, fp32 or a torch dtype name")
+    return resolved
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    """Short name of a dtype for tables and logs: bf16, fp16, fp32."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def load_target(name: str = "smollm2-135m-instruct", *, dtype: torch.dtype | str = "auto", cache_dir: str | os.PathLike | None = None):
+    """``(model, tokenizer)`` for an embedded target, in ``dtype`` (``"auto"``: `fast_dtype`) and in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = resolve_dtype(dtype)
 
     gguf = locate_gguf(name)
     folder = Path(cache_dir or default_cache_dir()) / "targets" / name

@@ -52,6 +52,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="CE of the sampled token (Eq. 9) or to the target's distribution (distillation)",
     )
     p.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation after training")
+    p.add_argument(
+        "--target-dtype",
+        default="auto",
+        help="dtype of the frozen target's forward: auto (bf16 where the CPU has fast bf16, else fp32), bf16 or fp32",
+    )
     p.add_argument("--seed", type=int, default=42)
     return p
 
@@ -60,11 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.trainer_utils import get_last_checkpoint
 
     from . import DSparkModel, Eagle3DrafterModel, load_target
+    from .targets import resolve_dtype
     from .trainer import DSparkTrainer, DSparkTrainingArguments
 
     args = build_arg_parser().parse_args(argv)
     torch.manual_seed(args.seed)
-    target, tokenizer = load_target(args.target, dtype=torch.bfloat16)
+    target_dtype = resolve_dtype(args.target_dtype)
+    target, tokenizer = load_target(args.target, dtype=target_dtype)
     rows = read_responses(args.data)
     if not rows:
         raise SystemExit(f"no regenerated responses in {args.data}; run python -m modeling_dspark.data first")
@@ -78,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         drafter = DSparkModel.from_target(
             target,
-            dtype=torch.float32,  # fp32 master weights; the frozen target runs in bf16
+            dtype=torch.float32,  # fp32 master weights; the frozen target runs in target_dtype
             block_size=args.block_size,
             num_draft_layers=args.num_draft_layers,
             markov_head_type=markov,
@@ -138,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": result.global_step,
             "batch_size": args.batch_size * args.grad_accum,
             "anchors_per_sequence": args.num_anchors,
+            "target_dtype": str(target_dtype).removeprefix("torch."),
             "sequences_seen": result.global_step * args.batch_size * args.grad_accum,
             "wall_time_s_this_run": round(wall, 1),
             "resumed_from": last,

@@ -58,7 +58,7 @@ def test_missing_weights_package_says_what_to_install(monkeypatch):
 def test_cli_generate_reports_tau_and_speedup(capsys):
     assert cli_main(["generate", "What is 2+2?", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
-    assert "tau" in out and "speed-up" in out and "tok/s" in out
+    assert "tau" in out and "speed-up" in out and "tok/s" in out and "dtype: " in out
 
 
 def test_cli_missing_drafter_folder(capsys, tmp_path):

@@ -40,10 +40,10 @@ def tiny_drafter(target, *, seed: int = 1, **overrides) -> DSparkModel:
     return DSparkModel.from_target(target, **{**settings, **overrides}).eval()
 
 
-def bigram_target(*, vocab_size: int = 96, seed: int = 0, initializer_range: float = 0.02, family: str = "llama"):
+def bigram_target(*, vocab_size: int = 96, seed: int = 0, initializer_range: float = 0.02, family: str = "llama", **overrides):
     """A target whose next-token logits depend on the last token only (attention and MLP outputs zeroed):
     ``logits(x_t) = lm_head(norm(embed(x_t)))``. A Markov head can represent it exactly."""
-    model = tiny_target(family, vocab_size=vocab_size, seed=seed, initializer_range=initializer_range)
+    model = tiny_target(family, vocab_size=vocab_size, seed=seed, initializer_range=initializer_range, **overrides)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()

@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
     target_name = os.environ.get("DSPARK_TARGET", "smollm2-135m-instruct")
     drafter_path = os.environ.get("DSPARK_DRAFTER", str(ROOT / "checkpoints" / "dspark-smollm2-135m-instruct"))
-    target, tokenizer = load_target(target_name, dtype=torch.bfloat16)
+    target, tokenizer = load_target(target_name)  # auto: bf16 where this CPU has fast bf16, else fp32
     drafter = load_drafter(drafter_path)
     demo = build_demo(target, tokenizer, drafter, max_new_tokens=int(os.environ.get("DSPARK_DEMO_MAX_NEW_TOKENS", 96)))
     demo.queue().launch(server_name=args.host, server_port=args.port, show_error=True)
