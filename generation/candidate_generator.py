@@ -161,8 +161,15 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
     """Drafts DSpark blocks for ``target.generate(..., assistant_model=drafter)`` (batch size 1).
 
     Settings come from the drafter's config and can be overridden per call through custom
-    `GenerationConfig` attributes: ``dspark_truncation`` (`"fixed"` | `"threshold"`),
-    ``dspark_confidence_threshold`` (float) and ``dspark_num_draft_tokens`` (int, at most ``block_size``)."""
+    `GenerationConfig` attributes: ``dspark_truncation`` (`"fixed"` | `"threshold"` | `"cost"`),
+    ``dspark_confidence_threshold`` (float) and ``dspark_num_draft_tokens`` (int, at most ``block_size``).
+
+    ``"cost"`` is the hardware-aware truncation of the batched engine at one row: before drafting, the depth D
+    (0 = no drafter call, a plain round) is planned from the survival of earlier rounds and the profiled costs
+    corrected by measured round times (`generation.depth_planner`); after drafting, Algorithm 1 keeps the
+    prefix whose ``tau / (T_draft + T_verify)`` is best, walking slot by slot and stopping at the first slot that
+    does not improve it (so the cut at slot k reads survival up to k only). ``dspark_cost_table`` /
+    ``dspark_draft_cost`` pass the tables instead of profiling them."""
 
     def __init__(
         self,
@@ -182,10 +189,20 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
         self.truncation = getattr(generation_config, "dspark_truncation", None) or cfg.truncation
         threshold = getattr(generation_config, "dspark_confidence_threshold", None)
         self.threshold = cfg.confidence_threshold if threshold is None else float(threshold)
-        if self.truncation not in ("fixed", "threshold"):
-            raise ValueError(f"dspark_truncation must be 'fixed' or 'threshold', got {self.truncation!r}")
+        if self.truncation not in ("fixed", "threshold", "cost"):
+            raise ValueError(f"dspark_truncation must be 'fixed', 'threshold' or 'cost', got {self.truncation!r}")
         if self.truncation == "threshold" and self.threshold > 0 and drafter.confidence_head is None:
             raise ValueError("confidence-threshold truncation needs a drafter with a confidence head")
+        self.depth_planner = None
+        if self.truncation == "cost":
+            if drafter.confidence_head is None:
+                raise ValueError("cost truncation needs a drafter with a confidence head (it plans from survival)")
+            from .depth_planner import generate_planner
+
+            self.depth_planner, self.cost_table = generate_planner(target, drafter, generation_config)
+            self.survival_estimate: list[float] | None = None
+        self._unseen_features = None  # target features of tokens the drafter has not read (rounds without drafting)
+        self._round_timing = None  # (start, depth, verified) of the round in flight, for the measured-cost ratio
 
     @torch.no_grad()
     def get_candidates(
@@ -211,8 +228,9 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
         # New context: every token the target processed and kept since the drafter last looked
         # (the prompt after prefill, then the old bonus token plus the accepted drafts).
         context_len = self.cache.get_seq_length()
+        unseen = 0 if self._unseen_features is None else self._unseen_features.shape[1]
         anchor_pos = input_ids.shape[1] - 1
-        num_new = anchor_pos - context_len
+        num_new = anchor_pos - context_len - unseen
         features = self.drafter.context_features(model_outputs.hidden_states)
         if num_new > features.shape[1] or num_new < 1:
             raise ValueError(
@@ -220,6 +238,17 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
                 f"for {features.shape[1]}. Do not pass a pre-filled cache to generate() with a DSpark assistant."
             )
         features = features[:, :num_new]
+        if self.depth_planner is not None:
+            depth = min(self.depth_planner.plan([self.survival_estimate]), max_tokens)
+            self.depth_planner.drafted(depth)
+            if depth == 0:  # a plain round: keep the features for the next drafter call
+                self._unseen_features = features if self._unseen_features is None else torch.cat([self._unseen_features, features], 1)
+                self._pending_round = DSparkRound(drafted=0, verified=0, draft_seconds=time.perf_counter() - start)
+                self._round_timing = (start, 0, 0)
+                return input_ids, None
+            max_tokens = depth
+        if self._unseen_features is not None:
+            features, self._unseen_features = torch.cat([self._unseen_features, features], 1), None
         device = self.drafter.device
         anchor = input_ids[:, -1]
         positions = torch.arange(context_len, anchor_pos + self.drafter.config.block_size, device=device)[None]
@@ -236,19 +265,41 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
             anchor_ids=anchor,
             prefix_ids=input_ids,
             max_tokens=max_tokens,
-            truncation=self.truncation,
+            truncation="fixed" if self.truncation == "cost" else self.truncation,
             threshold=self.threshold,
             do_sample=self.do_sample,
             logits_processor=self.logits_processor,
             eos_token_ids=self.eos_token_ids,
         )
-        drafted = proposal.tokens.shape[1]
+        drafted = verified = proposal.tokens.shape[1]
+        if self.depth_planner is not None and drafted:
+            verified = self._cost_cut(proposal.confidence_logits[:drafted], depth)
         self._pending_round = DSparkRound(
             drafted=drafted,
-            verified=drafted,
-            confidence_logits=proposal.confidence_logits[:drafted].tolist(),
+            verified=verified,
+            confidence_logits=proposal.confidence_logits[:verified].tolist(),
             draft_seconds=time.perf_counter() - start,
         )
-        if drafted == 0:
+        if self.depth_planner is not None:
+            self._round_timing = (start, depth, verified)
+        if verified == 0:
             return input_ids, None
-        return torch.cat([input_ids, proposal.tokens.to(input_ids.device)], dim=-1), proposal.logits
+        tokens = proposal.tokens[:, :verified].to(input_ids.device)
+        return torch.cat([input_ids, tokens], dim=-1), proposal.logits[:, :verified]
+
+    def _cost_cut(self, confidence_logits: torch.Tensor, depth: int) -> int:
+        """Algorithm 1 on this row's drafted slots (early stop: slot k is cut on survival up to k); the estimate
+        the next round's depth is planned from is updated with this round's survival."""
+        from .scheduler import schedule_algorithm1
+
+        survival = torch.cumprod(self.drafter.calibrated_confidence(confidence_logits.float()[None]).double(), dim=-1)[0].tolist()
+        self.survival_estimate = self.depth_planner.update_estimates([self.survival_estimate], [survival])[0]
+        spent = self.depth_planner.draft_cost.draft_seconds(1, depth)
+        return schedule_algorithm1([survival], self.cost_table, draft_seconds=spent)[0]
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
+        if self._round_timing is not None:  # the round's wall time: drafting, verification and Transformers' own work
+            start, depth, verified = self._round_timing
+            self.depth_planner.record_round_time(1, depth, [verified], time.perf_counter() - start)
+            self._round_timing = None
+        super().update_candidate_strategy(input_ids, scores, num_matches)

@@ -55,10 +55,13 @@ def cmd_generate(args) -> int:
     from transformers import GenerationConfig
 
     plain_config = GenerationConfig(**common)
-    dspark_config = GenerationConfig(**common, dspark_truncation=args.truncation, dspark_confidence_threshold=args.threshold)
-    # one short warm-up of each path (first calls pay for allocations), then the timed runs
+    dspark_settings = dict(dspark_truncation=args.truncation, dspark_confidence_threshold=args.threshold)
+    dspark_config = GenerationConfig(**common, **dspark_settings)
+    # one short warm-up of each path (first calls pay for allocations; a "cost" run profiles this machine), then
+    # the timed runs
     target.generate(input_ids, max_new_tokens=8, pad_token_id=tokenizer.eos_token_id)
-    target.generate(input_ids, max_new_tokens=8, pad_token_id=tokenizer.eos_token_id, assistant_model=drafter)
+    warm_up = GenerationConfig(**{**common, "max_new_tokens": 8}, **dspark_settings)
+    target.generate(input_ids, generation_config=warm_up, assistant_model=drafter)
     plain_out, plain_s = _timed_generate(target, input_ids, generation_config=plain_config)
     ds_out, ds_s = _timed_generate(target, input_ids, generation_config=dspark_config, assistant_model=drafter)
     stats = drafter.last_stats
@@ -105,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter", default=None, help="drafter folder (default: the shipped SmolLM2 drafter if present)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--truncation", choices=("fixed", "threshold"), default="threshold")
+    gen.add_argument("--truncation", choices=("fixed", "threshold", "cost"), default="threshold", help="cost: plan each round from this machine's profiled costs (may decode plainly where drafting cannot pay)")
     gen.add_argument("--threshold", type=float, default=0.0, help="cumulative-survival threshold (threshold mode)")
     gen.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: bf16 where this CPU has fast bf16, else fp32")
     gen.add_argument("--seed", type=int, default=0)

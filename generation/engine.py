@@ -12,13 +12,11 @@ added between steps. Greedy rows reproduce the target's greedy decoding, sampled
 The cost-aware schedulers (Algorithm 1, asynchronous) maximise tokens per second with the engine's real costs:
 the right-padded verify forward (:class:`PaddedCostTable`) and the drafter call for R rows and D slots
 (:class:`DraftCost`), both profiled once per machine and cached on disk. Before drafting, the step's depth D is
-planned from each request's survival in earlier steps (:func:`plan_draft_depth`); D = 0 skips the drafter, and
-the draft LM head and sampling loop run over the first D slots only. A step that skips drafting still records
-the target features the drafter needs later, and every ``probe_interval`` skipped steps one slot is drafted
-to refresh the estimates (and every ``probe_interval`` planned steps, and first at each load level, one plain
-step is taken to measure what drafting is compared with). The profiled tables are a prior: each step's wall time is compared with what they
-predict, and the plan scales each depth's modelled time by the measured ratio (a moving average per load level),
-which corrects what a profile cannot see (the requests' real context lengths, cache holes, per-step overheads). ``draft_cost=False`` schedules as in the paper (full blocks, ``Theta = tau * SPS(B)``).
+planned from each request's survival in earlier steps (:class:`generation.depth_planner.DepthPlanner`: probes,
+moving averages, and the profiled tables corrected by measured step times); D = 0 skips the drafter, and the draft
+LM head and sampling loop run over the first D slots only. A step that skips drafting still records the target
+features the drafter needs later. ``draft_cost=False`` schedules as in the paper (full blocks,
+``Theta = tau * SPS(B)``).
 
     engine = DSparkEngine(target, drafter, scheduler="algorithm1")        # profiles the costs once, cached on disk
     outputs = engine.generate([ids_a, ids_b], max_new_tokens=128, temperature=0.7)
@@ -34,13 +32,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import DynamicCache
 
+from .depth_planner import DepthPlanner
 from .ragged_cache import RaggedCache
 from .scheduler import (
     CostTable,
     DraftCost,
     PaddedCostTable,
     async_capacity,
-    plan_draft_depth,
     schedule_algorithm1,
     schedule_fixed,
     schedule_threshold,
@@ -139,19 +137,17 @@ class DSparkEngine:
                 draft_cost = profile_draft_cost(target, drafter)
         if draft_cost is False or scheduler not in ("algorithm1", "async"):
             draft_cost = None
-        if draft_cost is not None:
-            if not isinstance(draft_cost, DraftCost):
-                raise ValueError(f"draft_cost must be a DraftCost, None or False, got {type(draft_cost).__name__}")
-            if draft_cost.max_depth < self.block_size:
-                raise ValueError(f"draft_cost covers {draft_cost.max_depth} slots, the drafter drafts {self.block_size}")
+        if draft_cost is not None and not isinstance(draft_cost, DraftCost):
+            raise ValueError(f"draft_cost must be a DraftCost, None or False, got {type(draft_cost).__name__}")
         if probe_interval < 1:
             raise ValueError(f"probe_interval must be >= 1, got {probe_interval}")
-        self.cost_table, self.draft_cost, self.probe_interval = cost_table, draft_cost, probe_interval
-        self._mean_survival: list[float] | None = None  # over every drafted row, for requests not drafted yet
-        self._steps_since_draft = 0
-        self._planned_steps = 0
-        self._cost_ratio: dict[tuple[int, int], float] = {}  # (load level, depth) -> measured / modelled step time
-        self.adapt_costs = adapt_costs
+        self.cost_table, self.draft_cost = cost_table, draft_cost
+        # the depth of each step, planned from earlier steps (None: full blocks, as the paper drafts)
+        self.depth_planner = (
+            DepthPlanner(cost_table, draft_cost, self.block_size, probe_interval=probe_interval, adapt_costs=adapt_costs)
+            if draft_cost is not None
+            else None
+        )
         self.compact_slack = compact_slack
         self.lm_head = target.get_output_embeddings()
         self.input_embeddings = target.get_input_embeddings()
@@ -305,57 +301,9 @@ class DSparkEngine:
             return 0
         if self.scheduler == "fixed":
             return self.num_verify
-        if self.draft_cost is None:
+        if self.depth_planner is None:
             return self.block_size
-        estimates = [r.survival_estimate or self._mean_survival for r in requests]
-        if any(e is None for e in estimates) or self._steps_since_draft + 1 >= self.probe_interval:
-            # nothing known yet, or time to refresh what is known: one slot is the cheapest look, and the slots
-            # beyond it are estimated optimistically (as the last one seen), so deeper drafting gets tried if it may pay
-            return 1
-        level = self._load_level(len(requests))
-        self._planned_steps += 1
-        if self.adapt_costs and ((level, 0) not in self._cost_ratio or self._planned_steps % self.probe_interval == 0):
-            return 0  # measure a plain step at this load, and re-measure it now and then (the plan compares with it)
-        return plan_draft_depth(
-            estimates, self.cost_table, self.draft_cost, self.block_size, cost_scale=lambda d: self._scale(level, d)
-        )
-
-    @staticmethod
-    def _load_level(num_rows: int) -> int:
-        return 1 << (num_rows - 1).bit_length()  # 1, 2, 4, 8, ...: rows whose costs behave alike
-
-    def _scale(self, level: int, depth: int) -> float:
-        if (level, depth) in self._cost_ratio:
-            return self._cost_ratio[level, depth]
-        known = [r for (lv, _), r in self._cost_ratio.items() if lv == level]
-        return sum(known) / len(known) if known else 1.0
-
-    def _record_step_time(self, num_rows: int, depth: int, lengths: list[int], seconds: float) -> None:
-        """Fold a measured step time into the (load level, depth) ratio of measured to modelled time."""
-        if self.draft_cost is None or not self.adapt_costs or seconds <= 0:
-            return
-        width = 1 + max(lengths, default=0)
-        modelled = self.draft_cost.draft_seconds(num_rows, depth) + self.cost_table.step_seconds(num_rows, num_rows + sum(lengths), width)
-        key = (self._load_level(num_rows), depth)
-        ratio = seconds / modelled
-        self._cost_ratio[key] = ratio if key not in self._cost_ratio else 0.7 * self._cost_ratio[key] + 0.3 * ratio
-
-    def _update_estimates(self, requests, survival) -> None:
-        """Moving averages of each request's survival per slot (and of all rows'), kept non-increasing."""
-        def blend(old, new):
-            merged = list(new) + (old[len(new) :] if old else [new[-1]] * (self.block_size - len(new)))
-            if old:
-                merged = [0.5 * a + 0.5 * b for a, b in zip(old, merged[: len(new)])] + merged[len(new) :]
-            return [min(merged[: k + 1]) for k in range(len(merged))]
-
-        observed = [s for s in survival if s]
-        for r, s in zip(requests, survival):
-            if s:
-                r.survival_estimate = blend(r.survival_estimate, s)
-        if observed:
-            depth = min(len(s) for s in observed)
-            mean = [sum(s[k] for s in observed) / len(observed) for k in range(depth)]
-            self._mean_survival = blend(self._mean_survival, mean)
+        return self.depth_planner.plan([r.survival_estimate for r in requests])
 
     def _schedule(self, requests, drafted, depth, confidence_logits) -> list[int]:
         if self.scheduler == "fixed":
@@ -363,7 +311,10 @@ class DSparkEngine:
         survival = self._survival(confidence_logits, drafted)
         if self.scheduler == "threshold":
             return schedule_threshold(survival, self.threshold)
-        self._update_estimates(requests, survival)
+        if self.depth_planner is not None:
+            estimates = self.depth_planner.update_estimates([r.survival_estimate for r in requests], survival)
+            for r, e in zip(requests, estimates):
+                r.survival_estimate = e
         spent = self.draft_cost.draft_seconds(len(requests), depth) if self.draft_cost is not None else 0.0
         if self.scheduler == "algorithm1":
             return schedule_algorithm1(survival, self.cost_table, draft_seconds=spent)
@@ -393,11 +344,11 @@ class DSparkEngine:
         drafted = [max(0, min(depth, n - 1)) for n in remaining]
         if self.drafter is not None and depth > 0:
             drafts, draft_logits, confidence_logits = self._draft(requests, depth)
-            self._steps_since_draft = 0
         else:
             drafts = torch.zeros(num_rows, 0, dtype=torch.long, device=device)
             draft_logits, confidence_logits = None, None
-            self._steps_since_draft += 1
+        if self.depth_planner is not None:
+            self.depth_planner.drafted(drafts.shape[1])
         lengths = self._schedule(requests, drafted, depth, confidence_logits) if drafts.shape[1] else [0] * num_rows
         longest = max(lengths)
         q_len = 1 + longest
@@ -431,7 +382,8 @@ class DSparkEngine:
             z = confidence_logits[i, : lengths[i]].tolist() if confidence_logits is not None else []
             r.stats.rounds.append(DSparkRound(drafted=drafted[i] if drafts.shape[1] else 0, verified=lengths[i], accepted=n, confidence_logits=z))
             self._commit(r, ids_l[i][1 : 1 + n] + [next_l[i]])
-        self._record_step_time(num_rows, depth if drafts.shape[1] else 0, lengths, time.perf_counter() - started)
+        if self.depth_planner is not None:
+            self.depth_planner.record_round_time(num_rows, depth if drafts.shape[1] else 0, lengths, time.perf_counter() - started)
         self.step_log.append({"active": num_rows, "drafted": depth if drafts.shape[1] else 0,
                               "verified": int(sum(lengths)) + num_rows, "committed": int(sum(accepted_l)) + num_rows})  # fmt: skip
         done += self._retire()

@@ -18,6 +18,7 @@ DFlash checkpoint would load only as a different, mis-aligned model.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -44,7 +45,11 @@ def _methods(drafters: dict, prompt_lookup_num_tokens: int) -> dict[str, dict]:
     for label, drafter in drafters.items():
         methods[f"{label} greedy"] = {"kwargs": {"do_sample": False, "assistant_model": drafter}, "baseline": "plain greedy", "drafter": label}
     if "dspark" in drafters:
-        methods["dspark sampled"] = {"kwargs": {**sampled, "assistant_model": drafters["dspark"]}, "baseline": "plain sampled", "drafter": "dspark"}
+        dspark = drafters["dspark"]
+        methods["dspark sampled"] = {"kwargs": {**sampled, "assistant_model": dspark}, "baseline": "plain sampled", "drafter": "dspark"}
+        if getattr(dspark, "confidence_head", None) is not None:  # hardware-aware truncation (profiles once, cached)
+            methods["dspark greedy, cost"] = {"kwargs": {"do_sample": False, "assistant_model": dspark}, "config": {"dspark_truncation": "cost"},
+                                              "baseline": "plain greedy", "drafter": "dspark"}  # fmt: skip
     return methods
 
 
@@ -56,6 +61,11 @@ def speed_benchmark(
     from tqdm.auto import tqdm
 
     methods = _methods(drafters, prompt_lookup_num_tokens)
+    for spec in methods.values():  # DSpark settings travel as GenerationConfig attributes, on the model's defaults
+        if "config" in spec:
+            config = copy.deepcopy(target.generation_config)
+            config.update(**spec.pop("config"))
+            spec["kwargs"]["generation_config"] = config
     common = dict(max_new_tokens=max_new_tokens, pad_token_id=target.generation_config.pad_token_id)
     kwargs = {} if eval_dir is None else {"eval_dir": eval_dir}
     prompts = {d: [chat_input_ids(tokenizer, r["prompt"]) for r in load_eval_prompts(name, num_prompts, **kwargs)] for d, name in domains.items()}

@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_generate_sampling import NEW, PROMPT, VOCAB, chi_square_pvalue, exact_distribution, peaked_target
 
+import generation.depth_planner as depth_planner_module
 import generation.engine as engine_module
 from generation import DSparkEngine
 from generation.scheduler import CostTable, DraftCost, PaddedCostTable
@@ -224,7 +225,7 @@ def test_depth_planned_from_earlier_steps_keeps_sampling_exact(monkeypatch):
         depths.append(int(1000 * estimates[0][0]) % 3)
         return depths[-1]
 
-    monkeypatch.setattr(engine_module, "plan_draft_depth", adversarial)
+    monkeypatch.setattr(depth_planner_module, "plan_draft_depth", adversarial)
     counts, verified, accepted = sample_engine_counts(**SETTINGS["algorithm1+draft cost"], adapt_costs=False)
     assert {0, 1, 2} <= set(depths), "the plan must really have varied, skips included"
     assert verified > 500 and 0 < accepted < verified
@@ -282,14 +283,15 @@ def test_measured_step_times_correct_the_cost_model():
     target = bigram_target()
     drafter = oracle_drafter(target)
     engine = DSparkEngine(target, drafter, scheduler="algorithm1", cost_table=PADDED, draft_cost=DraftCost.from_dict({4: [0.0] * 4}))
-    engine._record_step_time(4, 0, [0] * 4, 0.0102)  # plain steps: as modelled
-    assert engine._cost_ratio[4, 0] == pytest.approx(1.0)
-    engine._record_step_time(3, 4, [4] * 3, 0.110)  # a full block took 10x its model (load level 4 covers R = 3)
-    assert engine._cost_ratio[4, 4] == pytest.approx(10.0)
-    engine._record_step_time(4, 4, [4] * 4, 0.011)
-    assert engine._cost_ratio[4, 4] == pytest.approx(0.7 * 10 + 0.3 * 1.0)
-    assert engine._scale(4, 2) == pytest.approx((1.0 + 7.3) / 2)  # an unseen depth: the level's mean ratio
-    assert engine._scale(8, 1) == 1.0
+    planner = engine.depth_planner
+    planner.record_round_time(4, 0, [0] * 4, 0.0102)  # plain steps: as modelled
+    assert planner.cost_ratio[4, 0] == pytest.approx(1.0)
+    planner.record_round_time(3, 4, [4] * 3, 0.110)  # a full block took 10x its model (load level 4 covers R = 3)
+    assert planner.cost_ratio[4, 4] == pytest.approx(10.0)
+    planner.record_round_time(4, 4, [4] * 4, 0.011)
+    assert planner.cost_ratio[4, 4] == pytest.approx(0.7 * 10 + 0.3 * 1.0)
+    assert planner.scale(4, 2) == pytest.approx((1.0 + 7.3) / 2)  # an unseen depth: the level's mean ratio
+    assert planner.scale(8, 1) == 1.0
     from generation.scheduler import plan_draft_depth
 
     sure = [[0.9, 0.8, 0.7, 0.6]] * 4

@@ -83,7 +83,7 @@ def test_speed_benchmark_end_to_end_on_tiny_models(tmp_path):
         runs=2, max_new_tokens=10, eval_dir=eval_dir, progress=False,
     )  # fmt: skip
     table = result["methods"]
-    assert set(table) == {"plain greedy", "plain sampled", "prompt lookup", "dspark greedy", "eagle3 greedy", "dspark sampled"}
+    assert set(table) == {"plain greedy", "plain sampled", "prompt lookup", "dspark greedy", "eagle3 greedy", "dspark sampled", "dspark greedy, cost"}
     assert table["plain greedy"]["math"]["ratio"] == 1.0
     for m in ("dspark greedy", "eagle3 greedy"):
         row = table[m]["math"]
