@@ -74,6 +74,9 @@ def cmd_generate(args) -> int:
     print(f"prompt: {args.prompt}\n")
     print(text.strip() + "\n")
     print(f"tau (tokens per target forward, bonus included): {stats.tau:.2f} over {stats.num_rounds} rounds")
+    if args.truncation == "cost":
+        drafting = sum(r.drafted > 0 for r in stats.rounds)
+        print(f"cost truncation: the drafter ran in {drafting} of {stats.num_rounds} rounds (the rest decoded plainly)")
     print(f"plain generate():  {n_plain} tokens in {plain_s:.2f} s = {plain_tps:.1f} tok/s")
     print(f"DSpark generate(): {n_ds} tokens in {ds_s:.2f} s = {ds_tps:.1f} tok/s")
     print(f"speed-up: {ds_tps / plain_tps:.2f}x ({dtype_name}, {'greedy' if args.temperature == 0 else f'T={args.temperature}'})")

@@ -9,7 +9,9 @@ cannot depend on the drafts, so the plan is lossless whatever it reads from the 
 
 Probes keep the estimates fresh: with no estimate yet, or after ``probe_interval - 1`` rounds without drafting,
 one slot is drafted; a plain round is taken first at each load level and every ``probe_interval`` planned rounds,
-so the point the plan compares with is measured too.
+so the point the plan compares with is measured too. A probe after which the plan still skips the drafter doubles
+the wait for the next one (up to ``8 * probe_interval``), so a machine where drafting cannot pay spends little on
+looking; the first plan that drafts again resets it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class DepthPlanner:
             raise ValueError(f"probe_interval must be >= 1, got {probe_interval}")
         self.cost_table, self.draft_cost, self.block_size = cost_table, draft_cost, block_size
         self.probe_interval, self.adapt_costs = probe_interval, adapt_costs
+        self.probe_wait = probe_interval  # rounds between one-slot probes while the plan skips the drafter
+        self._probed = False  # the last round was such a probe
         self.mean_survival: list[float] | None = None  # over every drafted row, for rows not drafted yet
         self.rounds_since_draft = 0
         self.planned_rounds = 0
@@ -53,15 +57,24 @@ class DepthPlanner:
     def plan(self, estimates: Sequence[list[float] | None]) -> int:
         """Slots to draft this round for rows with these survival estimates (None: nothing seen for that row)."""
         estimates = [e or self.mean_survival for e in estimates]
-        if any(e is None for e in estimates) or self.rounds_since_draft + 1 >= self.probe_interval:
-            return 1  # nothing known yet, or time to refresh what is known: one slot is the cheapest look
+        if any(e is None for e in estimates):
+            return 1  # nothing known yet: one slot is the cheapest look
+        if self.rounds_since_draft + 1 >= self.probe_wait:
+            self._probed = True
+            return 1  # time to refresh what is known
         level = self.load_level(len(estimates))
         self.planned_rounds += 1
         if self.adapt_costs and ((level, 0) not in self.cost_ratio or self.planned_rounds % self.probe_interval == 0):
             return 0  # measure a plain round at this load, and re-measure it now and then
-        return plan_draft_depth(
+        depth = plan_draft_depth(
             estimates, self.cost_table, self.draft_cost, self.block_size, cost_scale=lambda d: self.scale(level, d)
         )
+        if depth > 0:
+            self.probe_wait = self.probe_interval
+        elif self._probed:  # the look did not change the plan: look less often
+            self.probe_wait = min(2 * self.probe_wait, 8 * self.probe_interval)
+        self._probed = False
+        return depth
 
     def drafted(self, depth: int) -> None:
         """Count the round: whether the drafter ran decides when the next probe is due."""

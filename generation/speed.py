@@ -64,7 +64,8 @@ def speed_benchmark(
     for spec in methods.values():  # DSpark settings travel as GenerationConfig attributes, on the model's defaults
         if "config" in spec:
             config = copy.deepcopy(target.generation_config)
-            config.update(**spec.pop("config"))
+            for name, value in spec.pop("config").items():
+                setattr(config, name, value)  # (GenerationConfig.update() skips attributes it does not know)
             spec["kwargs"]["generation_config"] = config
     common = dict(max_new_tokens=max_new_tokens, pad_token_id=target.generation_config.pad_token_id)
     kwargs = {} if eval_dir is None else {"eval_dir": eval_dir}

@@ -78,6 +78,9 @@ def test_speed_benchmark_end_to_end_on_tiny_models(tmp_path):
         (eval_dir / f"{name}.jsonl").write_text(json.dumps({"id": 0, "prompt": f"{name} question", "domain": "x"}) + "\n")
     target = tiny_target()
     drafters = {"dspark": tiny_drafter(target), "eagle3": tiny_eagle3(target)}
+    truncations = []
+    generate = target.generate
+    target.generate = lambda *a, **k: truncations.append(getattr(k.get("generation_config"), "dspark_truncation", None)) or generate(*a, **k)
     result = speed_benchmark(
         target, ByteChat(target.config.vocab_size), drafters, domains={"math": "gsm8k", "chat": "mt-bench"}, num_prompts=1,
         runs=2, max_new_tokens=10, eval_dir=eval_dir, progress=False,
@@ -85,6 +88,7 @@ def test_speed_benchmark_end_to_end_on_tiny_models(tmp_path):
     table = result["methods"]
     assert set(table) == {"plain greedy", "plain sampled", "prompt lookup", "dspark greedy", "eagle3 greedy", "dspark sampled", "dspark greedy, cost"}
     assert table["plain greedy"]["math"]["ratio"] == 1.0
+    assert truncations.count("cost") == 1 + 2 * 2  # the warm-up, then 2 runs x 2 domains really used it
     for m in ("dspark greedy", "eagle3 greedy"):
         row = table[m]["math"]
         assert row["rounds"] > 0 and row["draft_ms_per_round"] > 0 and row["verify_ms_per_round"] > 0

@@ -103,6 +103,7 @@ def build_demo(target, tokenizer, drafter, *, max_new_tokens: int = 96):
     import gradio as gr
 
     from generation.benchmark import chat_input_ids
+    from modeling_dspark.targets import dtype_label
 
     def run(prompt):
         if not prompt or not prompt.strip():
@@ -124,7 +125,7 @@ def build_demo(target, tokenizer, drafter, *, max_new_tokens: int = 96):
         tps = n / max(elapsed, 1e-9)
         stats = (
             f"plain `generate()`: {n_plain} tokens, **{plain_tps:.1f} tok/s** | DSpark: {n} tokens, **{tps:.1f} tok/s** | "
-            f"tau **{tau:.2f}** tokens per target forward | speed-up **{tps / max(plain_tps, 1e-9):.2f}x** (greedy, bf16)"
+            f"tau **{tau:.2f}** tokens per target forward | speed-up **{tps / max(plain_tps, 1e-9):.2f}x** (greedy, {dtype_label(target.dtype)})"
         )
         yield plain_text, dspark_tokens_html(pieces, tokenizer, drafter), stats
 
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     target_name = os.environ.get("DSPARK_TARGET", "smollm2-135m-instruct")
     drafter_path = os.environ.get("DSPARK_DRAFTER", str(ROOT / "checkpoints" / "dspark-smollm2-135m-instruct"))
     target, tokenizer = load_target(target_name)  # auto: bf16 where this CPU has fast bf16, else fp32
-    drafter = load_drafter(drafter_path)
+    drafter = load_drafter(drafter_path, dtype=target.dtype)
     demo = build_demo(target, tokenizer, drafter, max_new_tokens=int(os.environ.get("DSPARK_DEMO_MAX_NEW_TOKENS", 96)))
     demo.queue().launch(server_name=args.host, server_port=args.port, show_error=True)
     return 0
