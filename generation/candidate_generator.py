@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -124,6 +125,12 @@ class HiddenStateCandidateGenerator(CandidateGenerator):
     def __init__(self, *, target, drafter, generation_config, input_ids, model_kwargs=None, logits_processor=None):
         check_assisted_inputs(input_ids, model_kwargs, kind=self.kind)
         drafter.check_compatible(target)
+        if drafter.dtype != target.dtype:
+            warnings.warn(
+                f"the drafter runs in {drafter.dtype} and the target in {target.dtype}: lossless either way, but on a CPU "
+                "without native bf16 a bf16 model is many times slower; load the drafter with dtype=target.dtype",
+                stacklevel=2,
+            )
         self.drafter = drafter
         self.lm_head = target.get_output_embeddings()
         self.input_embeddings = target.get_input_embeddings()

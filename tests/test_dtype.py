@@ -33,3 +33,13 @@ def test_resolve_dtype_names_and_errors():
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("Tensor")  # a torch attribute that is not a dtype
     assert [dtype_label(d) for d in (torch.bfloat16, torch.float32, torch.float16)] == ["bf16", "fp32", "fp16"]
+
+
+def test_generate_warns_when_drafter_and_target_dtypes_differ():
+    import modeling_dspark  # noqa: F401  (the generate() hook)
+    from tiny_models import tiny_drafter, tiny_target
+
+    target = tiny_target()
+    drafter = tiny_drafter(target, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="load the drafter with dtype=target.dtype"):
+        target.generate(torch.tensor([[3, 4, 5]]), do_sample=False, max_new_tokens=3, assistant_model=drafter)
