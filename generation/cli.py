@@ -27,7 +27,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from modeling_dspark import DSparkModel, load_target
-    from modeling_dspark.targets import resolve_dtype
+    from modeling_dspark.targets import dtype_label, resolve_dtype
 
     from .benchmark import chat_input_ids
 
@@ -37,7 +37,7 @@ def cmd_generate(args) -> int:
         return 2
     torch.manual_seed(args.seed)
     dtype = resolve_dtype(args.dtype)
-    dtype_name = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))
+    dtype_name = dtype_label(dtype)
     why = " (auto: this CPU has no fast bf16 matrix products)" if args.dtype == "auto" and dtype != torch.bfloat16 else ""
     print(f"loading {args.target} ({dtype_name}{why}) ...", file=sys.stderr)
     target, tokenizer = load_target(args.target, dtype=dtype)
