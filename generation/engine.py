@@ -87,7 +87,12 @@ class DSparkEngine:
     (:func:`generation.profile_verify_cost`, :func:`generation.profile_draft_cost`); a given ``cost_table`` without
     ``draft_cost`` (or ``draft_cost=False``) schedules as the paper does: full blocks drafted every step, drafting
     time left out of ``Theta``. ``adapt_costs=False`` keeps the tables as they are (no correction by measured step
-    times)."""
+    times).
+
+    ``depth_planner``: continue from another engine's ``engine.depth_planner`` on the same models (its tables, the
+    survival and cost corrections it measured, its probe back-off), as a server that restarts its engine, or
+    serves a new batch, would; ``cost_table``, ``draft_cost``, ``probe_interval`` and ``adapt_costs`` then come from
+    it."""
 
     def __init__(
         self,
@@ -102,6 +107,7 @@ class DSparkEngine:
         probe_interval: int = 16,
         adapt_costs: bool = True,
         compact_slack: int = 32,
+        depth_planner: DepthPlanner | None = None,
     ):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
@@ -129,6 +135,16 @@ class DSparkEngine:
         if not 0 <= self.num_verify <= max(self.block_size, 0):
             raise ValueError(f"num_verify must be in [0, block_size={self.block_size}], got {self.num_verify}")
         self.threshold = float(threshold)
+        if depth_planner is not None:
+            if not isinstance(depth_planner, DepthPlanner):
+                raise ValueError(f"depth_planner must be a DepthPlanner, got {type(depth_planner).__name__}")
+            if scheduler not in ("algorithm1", "async"):
+                raise ValueError(f"depth_planner plans for the cost-aware schedulers, not {scheduler!r}")
+            if depth_planner.block_size != self.block_size:
+                raise ValueError(f"depth_planner plans {depth_planner.block_size}-slot blocks, the drafter drafts {self.block_size}")
+            if (cost_table is not None and cost_table is not depth_planner.cost_table) or draft_cost not in (None, depth_planner.draft_cost):
+                raise ValueError("pass the cost tables or a depth_planner (which holds its own), not both")
+            cost_table, draft_cost = depth_planner.cost_table, depth_planner.draft_cost
         if scheduler in ("algorithm1", "async") and cost_table is None:
             from .profiler import profile_draft_cost, profile_verify_cost
 
@@ -143,11 +159,9 @@ class DSparkEngine:
             raise ValueError(f"probe_interval must be >= 1, got {probe_interval}")
         self.cost_table, self.draft_cost = cost_table, draft_cost
         # the depth of each step, planned from earlier steps (None: full blocks, as the paper drafts)
-        self.depth_planner = (
-            DepthPlanner(cost_table, draft_cost, self.block_size, probe_interval=probe_interval, adapt_costs=adapt_costs)
-            if draft_cost is not None
-            else None
-        )
+        if depth_planner is None and draft_cost is not None:
+            depth_planner = DepthPlanner(cost_table, draft_cost, self.block_size, probe_interval=probe_interval, adapt_costs=adapt_costs)
+        self.depth_planner = depth_planner
         self.compact_slack = compact_slack
         self.lm_head = target.get_output_embeddings()
         self.input_embeddings = target.get_input_embeddings()

@@ -12,12 +12,20 @@ Algorithm 1 and the asynchronous variant run twice: with the paper's cost model 
 ``generation.profile_sps``; full blocks drafted every step, drafting time left out) and with the engine's own
 (``profile_verify_cost``: the right-padded verify forward; ``profile_draft_cost``: the drafter for R rows and D
 slots; the depth planned before drafting, 0 = skip the drafter). All tables are profiled once, cached, plotted.
+
+Every method first serves a warm-up batch of R other prompts (``--warmup-tokens`` each): shapes, allocations.
+A cost-aware scheduler's measured engine continues from the depth planner of the engine before it (its survival
+estimates and measured cost corrections), as a serving engine under steady load does; the "cold" rows start from
+nothing, so their gap to the warm rows is what exploration costs in one batch. Each (method, R) is measured
+``--repeats`` times, the methods interleaved in alternating order so that the machine's drift (10-20 % over a run
+on shared CPUs) hits them alike; the table gives the median.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,6 +47,8 @@ METHODS = {
     "asynchronous, paper cost": {"scheduler": "async", "costs": "paper"},
     "algorithm 1": {"scheduler": "algorithm1", "costs": "engine"},
     "asynchronous": {"scheduler": "async", "costs": "engine"},
+    "algorithm 1, cold": {"scheduler": "algorithm1", "costs": "engine", "warm": False},
+    "asynchronous, cold": {"scheduler": "async", "costs": "engine", "warm": False},
 }
 
 
@@ -54,7 +64,7 @@ def engine_costs(target, drafter, concurrency) -> tuple:
 def _prompts(tokenizer, n: int, eval_dir=None) -> list[list[int]]:
     kwargs = {} if eval_dir is None else {"eval_dir": eval_dir}
     pools = [load_eval_prompts(name, n, **kwargs) for name in ("gsm8k", "humaneval", "mt-bench")]
-    rows = [pools[i % 3][i // 3] for i in range(n)]
+    rows = [pools[i % 3][(i // 3) % len(pools[i % 3])] for i in range(n)]  # cycles when a benchmark runs short
     return [chat_input_ids(tokenizer, row["prompt"])[0].tolist() for row in rows]
 
 
@@ -62,16 +72,23 @@ def _prompts(tokenizer, n: int, eval_dir=None) -> list[list[int]]:
 def run_load(
     target, drafter, tokenizer, *, concurrency=(1, 2, 4, 8, 16, 32), methods=None, max_new_tokens: int = 64,
     cost_table=None, verify_cost=None, draft_cost=None, eval_dir=None, seed: int = 0, progress: bool = True,
+    warmup_tokens: int = 32, repeats: int = 1,
 ) -> dict:  # fmt: skip
     """``cost_table``: the paper's SPS(B) table; ``verify_cost`` / ``draft_cost``: the engine's (profiled when
-    None and a method needs them)."""
+    None and a method needs them). ``warmup_tokens``: new tokens per request of the warm-up batch before each
+    measured one (its prompts are not measured). ``repeats``: measured batches per method and R, interleaved
+    across methods; the table gives the median tokens/s, the other columns pool the batches."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     from tqdm.auto import tqdm
 
     from .engine import DSparkEngine
 
     methods = methods or METHODS
-    prompts = _prompts(tokenizer, max(concurrency), eval_dir)
-    results = {"max_new_tokens": max_new_tokens, "concurrency": list(concurrency), "methods": {}}
+    pool = _prompts(tokenizer, 2 * max(concurrency), eval_dir)
+    prompts, warmup_prompts = pool[: max(concurrency)], pool[max(concurrency) :]
+    results = {"max_new_tokens": max_new_tokens, "warmup_tokens": warmup_tokens, "repeats": repeats,
+               "concurrency": list(concurrency), "methods": {}}  # fmt: skip
     # single-request reference: plain generate() on the first prompts
     plain_tokens = plain_time = 0.0
     for i, ids in enumerate(prompts[: min(4, len(prompts))]):
@@ -82,34 +99,54 @@ def run_load(
         plain_time += time.perf_counter() - start
         plain_tokens += out.shape[1] - len(ids)
     results["plain_generate_tokens_per_s"] = plain_tokens / plain_time
-    bar = tqdm(total=len(methods) * len(concurrency), desc="load benchmark", disable=not progress)
+    engine_kwargs = {}
     for label, spec in methods.items():
-        kwargs = {k: v for k, v in spec.items() if k != "costs"}
+        kwargs = {k: v for k, v in spec.items() if k not in ("costs", "warm")}
         if spec.get("costs") == "paper":
             kwargs.update(cost_table=cost_table, draft_cost=False)
         elif spec.get("costs") == "engine":
             if verify_cost is None or draft_cost is None:
                 verify_cost, draft_cost = engine_costs(target, drafter, concurrency)
             kwargs.update(cost_table=verify_cost, draft_cost=draft_cost)
+        engine_kwargs[label] = kwargs
+    runs = {label: {r: [] for r in concurrency} for label in methods}
+    bar = tqdm(total=len(methods) * len(concurrency) * repeats, desc="load benchmark", disable=not progress)
+    for r in concurrency:
+        planners = {}  # label -> the planner the next measured engine continues from
+        for rep in range(repeats):
+            # methods interleaved, in alternating order, so the machine's drift over a run hits them alike
+            for label in list(methods) if rep % 2 == 0 else list(methods)[::-1]:
+                kwargs, carry = engine_kwargs[label], methods[label].get("warm", True)
+                if rep == 0:  # a warm-up batch of other prompts: shapes, allocations, and the planner's first looks
+                    warm = DSparkEngine(target, drafter, **kwargs)
+                    torch.manual_seed(seed + 1)
+                    warm.generate(warmup_prompts[:r], max_new_tokens=max(warmup_tokens, 1), temperature=1.0)
+                    planners[label] = warm.depth_planner
+                engine = DSparkEngine(target, drafter, **kwargs, depth_planner=planners[label] if carry else None)
+                torch.manual_seed(seed + rep)
+                start = time.perf_counter()
+                outs = engine.generate(prompts[:r], max_new_tokens=max_new_tokens, temperature=1.0)
+                wall = time.perf_counter() - start
+                if carry:
+                    planners[label] = engine.depth_planner
+                rounds = [x for req in engine.finished.values() for x in req.stats.rounds]
+                runs[label][r].append((sum(len(o) for o in outs), wall, engine.step_log, rounds))
+                bar.update()
+    for label in methods:
         rows = {}
         for r in concurrency:
-            engine = DSparkEngine(target, drafter, **kwargs)
-            engine.generate(prompts[:1], max_new_tokens=4, temperature=1.0)  # warm-up of this engine's shapes
-            engine = DSparkEngine(target, drafter, **kwargs)
-            torch.manual_seed(seed)
-            start = time.perf_counter()
-            outs = engine.generate(prompts[:r], max_new_tokens=max_new_tokens, temperature=1.0)
-            wall = time.perf_counter() - start
-            rounds = [x for req in engine.finished.values() for x in req.stats.rounds]
+            speeds = [n / wall for n, wall, *_ in runs[label][r]]
+            steps = [x for *_, step_log, _ in runs[label][r] for x in step_log]
+            rounds = [x for *_, batch_rounds in runs[label][r] for x in batch_rounds]
             rows[r] = {
-                "tokens_per_s": sum(len(o) for o in outs) / wall,
-                "wall_s": wall,
-                "steps": len(engine.step_log),
-                "mean_draft_depth": sum(x["drafted"] for x in engine.step_log) / max(len(engine.step_log), 1),
+                "tokens_per_s": statistics.median(speeds),
+                "tokens_per_s_runs": speeds,
+                "wall_s": sum(wall for _, wall, *_ in runs[label][r]),
+                "steps": len(steps),
+                "mean_draft_depth": sum(x["drafted"] for x in steps) / max(len(steps), 1),
                 "mean_budget_per_request": sum(x.verified for x in rounds) / max(len(rounds), 1),
                 "tau": sum(x.accepted + 1 for x in rounds) / max(len(rounds), 1),
             }
-            bar.update()
         results["methods"][label] = rows
     bar.close()
     return results
@@ -129,8 +166,11 @@ def write_load_report(results: dict, out_dir, cost_table=None, command: str = ""
     methods = results["methods"]
     lines = [
         f"# Throughput under load (DSparkEngine)\n\n`{command}`\n",
-        f"Temperature 1, {results['max_new_tokens']} new tokens per request, R requests started together; single-request "
-        f"plain `generate()`: {results['plain_generate_tokens_per_s']:.1f} tok/s.\n",
+        f"Temperature 1, {results['max_new_tokens']} new tokens per request, R requests started together after a warm-up "
+        f"batch of R other prompts ({results.get('warmup_tokens', 0)} tokens each; cost-aware rows continue from its depth "
+        f"planner, \"cold\" rows start fresh); median of {results.get('repeats', 1)} batches, methods interleaved; "
+        f"single-request plain `generate()`: "
+        f"{results['plain_generate_tokens_per_s']:.1f} tok/s.\n",
         "## Generated tokens / s\n",
         "| method | " + " | ".join(f"R={r}" for r in conc) + " |",
         "|---" * (len(conc) + 1) + "|",
@@ -150,7 +190,7 @@ def write_load_report(results: dict, out_dir, cost_table=None, command: str = ""
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for label, rows in methods.items():
-        style = "--" if "paper cost" in label else "-"
+        style = "--" if "paper cost" in label else ":" if "cold" in label else "-"
         ax1.plot(conc, [rows[r]["tokens_per_s"] for r in conc], style, marker="o", label=label)
         ax2.plot(conc, [rows[r]["mean_budget_per_request"] for r in conc], style, marker="o", label=label)
     ax1.axhline(results["plain_generate_tokens_per_s"], color="k", linestyle="--", linewidth=1, label="plain generate(), 1 request")
@@ -185,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", help="auto (bf16 where this CPU has fast bf16, else fp32), bf16 or fp32")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--warmup-tokens", type=int, default=32, help="new tokens per request of each warm-up batch")
+    parser.add_argument("--repeats", type=int, default=2, help="measured batches per method and R (median reported)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     target, tokenizer = load_target(args.target, dtype=resolve_dtype(args.dtype))
@@ -192,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     cost = profile_sps(target, max_tokens=8 * max(args.concurrency))
     verify_cost, draft_cost = engine_costs(target, drafter, args.concurrency)
     results = run_load(target, drafter, tokenizer, concurrency=args.concurrency, max_new_tokens=args.max_new_tokens,
-                       cost_table=cost, verify_cost=verify_cost, draft_cost=draft_cost)  # fmt: skip
+                       cost_table=cost, verify_cost=verify_cost, draft_cost=draft_cost, warmup_tokens=args.warmup_tokens,
+                       repeats=args.repeats)  # fmt: skip
     results["dtype"] = dtype_label(target.dtype)
     results["cost_table"] = dict(zip(cost.tokens, cost.steps_per_second))
     results["verify_cost_seconds"] = verify_cost.to_dict()

@@ -201,9 +201,13 @@ def test_profiler_measures_caches_and_the_load_benchmark_runs(tmp_path, monkeypa
         "fixed 3": {"scheduler": "fixed", "num_verify": 3},
         "algorithm 1, paper cost": {"scheduler": "algorithm1", "costs": "paper"},
         "algorithm 1": {"scheduler": "algorithm1", "costs": "engine"},
+        "algorithm 1, cold": {"scheduler": "algorithm1", "costs": "engine", "warm": False},
     }
     results = run_load(target, drafter, ByteChat(96), concurrency=(1, 3), methods=methods, max_new_tokens=6,
-                       cost_table=COST, verify_cost=verify, draft_cost=draft, eval_dir=eval_dir, progress=False)  # fmt: skip
+                       cost_table=COST, verify_cost=verify, draft_cost=draft, eval_dir=eval_dir, progress=False,
+                       warmup_tokens=3, repeats=2)  # fmt: skip
+    assert results["warmup_tokens"] == 3 and set(results["methods"]["algorithm 1, cold"]) == {1, 3}
+    assert all(len(row["tokens_per_s_runs"]) == 2 for rows in results["methods"].values() for row in rows.values())
     assert results["methods"]["no speculation"][3]["mean_budget_per_request"] == 0
     assert results["methods"]["fixed 3"][1]["mean_budget_per_request"] > 0
     fixed_depth = results["methods"]["fixed 3"][1]["mean_draft_depth"]
@@ -264,6 +268,31 @@ def test_draft_cost_decides_whether_and_how_deep_to_draft():
     # a cost growing as D^2: the best depth is 2 (Theta 632 / 668 / 596 / 498 for D = 1..4 against 392 for D = 0)
     medium = drafted(DraftCost.from_dict({4: [0.001 * d * d for d in range(1, gamma + 1)]}))
     assert medium[0] == 1 and all(d <= 2 for d in medium[1:]) and sum(d == 2 for d in medium) >= len(medium) - 3, medium
+
+
+def test_engine_continues_from_another_engines_depth_planner():
+    """A new engine given ``depth_planner=`` starts from what the earlier one measured: with a costly drafter it
+    skips drafting from its first step instead of looking again, and its output is still the target's."""
+    target = bigram_target()
+    drafter = oracle_drafter(target)
+    gamma = drafter.config.block_size
+    costly = DraftCost.from_dict({4: [1.0 * d for d in range(1, gamma + 1)]})
+    plain = [plain_greedy(target, p, 24) for p in prompts(target.config.vocab_size, lengths=(5, 8, 3, 11))]
+    first, outs = run_engine(target, drafter, scheduler="algorithm1", cost_table=PADDED, draft_cost=costly, adapt_costs=False)
+    assert outs == plain and first.step_log[0]["drafted"] == 1  # nothing known yet: a one-slot look
+    second = DSparkEngine(target, drafter, scheduler="async", depth_planner=first.depth_planner)
+    assert second.depth_planner is first.depth_planner and second.cost_table is PADDED and second.draft_cost is costly
+    outs = second.generate(prompts(target.config.vocab_size, lengths=(5, 8, 3, 11)), max_new_tokens=24)
+    assert outs == plain and second.step_log[0]["drafted"] == 0
+    with pytest.raises(ValueError, match="must be a DepthPlanner"):
+        DSparkEngine(target, drafter, scheduler="algorithm1", depth_planner=object())
+    with pytest.raises(ValueError, match="not 'fixed'"):
+        DSparkEngine(target, drafter, scheduler="fixed", depth_planner=first.depth_planner)
+    with pytest.raises(ValueError, match="not both"):
+        DSparkEngine(target, drafter, scheduler="algorithm1", cost_table=COST, depth_planner=first.depth_planner)
+    with pytest.raises(ValueError, match="2-slot blocks"):
+        planner = depth_planner_module.DepthPlanner(PADDED, DraftCost.from_dict({4: [0.0] * 2}), 2)
+        DSparkEngine(target, drafter, scheduler="algorithm1", depth_planner=planner)
 
 
 def test_engine_refuses_bad_cost_settings():
