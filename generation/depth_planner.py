@@ -53,6 +53,7 @@ class DepthPlanner:
         self.rounds_since_draft = 0
         self.planned_rounds = 0
         self.cost_ratio: dict[tuple[int, int], float] = {}  # (load level, depth) -> measured / modelled time
+        self.models: tuple | None = None  # set by the engine that made it: what its measurements are of
 
     def plan(self, estimates: Sequence[list[float] | None]) -> int:
         """Slots to draft this round for rows with these survival estimates (None: nothing seen for that row)."""

@@ -290,6 +290,9 @@ def test_engine_continues_from_another_engines_depth_planner():
         DSparkEngine(target, drafter, scheduler="fixed", depth_planner=first.depth_planner)
     with pytest.raises(ValueError, match="not both"):
         DSparkEngine(target, drafter, scheduler="algorithm1", cost_table=COST, depth_planner=first.depth_planner)
+    other = tiny_target("qwen3")
+    with pytest.raises(ValueError, match="measured on other models"):
+        DSparkEngine(other, tiny_drafter(other), scheduler="algorithm1", depth_planner=first.depth_planner)
     with pytest.raises(ValueError, match="2-slot blocks"):
         planner = depth_planner_module.DepthPlanner(PADDED, DraftCost.from_dict({4: [0.0] * 2}), 2)
         DSparkEngine(target, drafter, scheduler="algorithm1", depth_planner=planner)
