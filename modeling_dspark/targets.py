@@ -52,7 +52,6 @@ def locate_gguf(name: str) -> Path:
     return path
 
 
-@functools.lru_cache(maxsize=None)
 def fast_dtype(device: str = "cpu") -> torch.dtype:
     """bf16 where this device multiplies bf16 matrices at least about as fast as fp32, else fp32.
 
@@ -61,6 +60,12 @@ def fast_dtype(device: str = "cpu") -> torch.dtype:
     decoding token by token. A decode-shaped product (8 rows against a 512 x 1024 weight) is timed once per
     process in both dtypes.
     """
+    return _probed_dtype(str(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _probed_dtype(device: str) -> torch.dtype:
+    # cached on the device name alone: `fast_dtype()` and `fast_dtype("cpu")` must not probe (and decide) twice
     if device.startswith("cuda"):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     seconds = {}

@@ -5,13 +5,13 @@ import time
 import pytest
 import torch
 
-from modeling_dspark.targets import dtype_label, fast_dtype, resolve_dtype
+from modeling_dspark.targets import _probed_dtype, dtype_label, fast_dtype, resolve_dtype
 
 
 def _with_clock(monkeypatch, ticks):
     clock = iter(ticks)
     monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
-    return fast_dtype.__wrapped__("cpu")  # past the per-process cache
+    return _probed_dtype.__wrapped__("cpu")  # past the per-process cache
 
 
 def test_fast_dtype_falls_back_to_fp32_where_bf16_products_are_slow(monkeypatch):
@@ -28,6 +28,9 @@ def test_resolve_dtype_names_and_errors():
     assert resolve_dtype(torch.float64) is torch.float64
     assert resolve_dtype("auto") is fast_dtype() and resolve_dtype(None) is fast_dtype()
     assert fast_dtype() in (torch.bfloat16, torch.float32)
+    # one probe per device and process, however it is asked for (a second probe could decide otherwise)
+    assert fast_dtype() is fast_dtype("cpu") is resolve_dtype("auto", device="cpu")
+    assert _probed_dtype.cache_info().currsize == 1
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("float7")
     with pytest.raises(ValueError, match="unknown dtype"):
