@@ -53,6 +53,12 @@ __all__ = ["SCHEDULERS", "DSparkEngine", "EngineRequest"]
 SCHEDULERS = ("none", "fixed", "threshold", "algorithm1", "async")
 
 
+def _measured_on(target, drafter) -> tuple:
+    """What a depth planner's measurements are of: the models (as the cost tables' cache keys name them) and the
+    device; computed only where a planner is made or carried over."""
+    return _model_key(target), str(target.device), _model_key(drafter)
+
+
 @dataclass
 class EngineRequest:
     request_id: int
@@ -136,8 +142,6 @@ class DSparkEngine:
         if not 0 <= self.num_verify <= max(self.block_size, 0):
             raise ValueError(f"num_verify must be in [0, block_size={self.block_size}], got {self.num_verify}")
         self.threshold = float(threshold)
-        # what a planner's measurements are of: the models, their dtype and the device
-        models = (_model_key(target), str(target.device), _model_key(drafter)) if drafter is not None else None
         if depth_planner is not None:
             if not isinstance(depth_planner, DepthPlanner):
                 raise ValueError(f"depth_planner must be a DepthPlanner, got {type(depth_planner).__name__}")
@@ -147,8 +151,11 @@ class DSparkEngine:
                 raise ValueError(f"depth_planner plans {depth_planner.block_size}-slot blocks, the drafter drafts {self.block_size}")
             if (cost_table is not None and cost_table is not depth_planner.cost_table) or draft_cost not in (None, depth_planner.draft_cost):
                 raise ValueError("pass the cost tables or a depth_planner (which holds its own), not both")
-            if depth_planner.models is not None and depth_planner.models != models:
-                raise ValueError(f"depth_planner was measured on other models or another device: {depth_planner.models} vs {models}")
+            if depth_planner.models is not None and depth_planner.models != _measured_on(target, drafter):
+                raise ValueError(
+                    f"depth_planner was measured on other models or another device: {depth_planner.models} vs "
+                    f"{_measured_on(target, drafter)}"
+                )
             cost_table, draft_cost = depth_planner.cost_table, depth_planner.draft_cost
         if scheduler in ("algorithm1", "async") and cost_table is None:
             from .profiler import profile_draft_cost, profile_verify_cost
@@ -166,7 +173,7 @@ class DSparkEngine:
         # the depth of each step, planned from earlier steps (None: full blocks, as the paper drafts)
         if depth_planner is None and draft_cost is not None:
             depth_planner = DepthPlanner(cost_table, draft_cost, self.block_size, probe_interval=probe_interval, adapt_costs=adapt_costs)
-            depth_planner.models = models
+            depth_planner.models = _measured_on(target, drafter)
         self.depth_planner = depth_planner
         self.compact_slack = compact_slack
         self.lm_head = target.get_output_embeddings()

@@ -17,8 +17,8 @@ Every method first serves a warm-up batch of R other prompts (``--warmup-tokens`
 A cost-aware scheduler's measured engine continues from the depth planner of the engine before it (its survival
 estimates and measured cost corrections), as a serving engine under steady load does; the "cold" rows start from
 nothing, so their gap to the warm rows is what exploration costs in one batch. Each (method, R) is measured
-``--repeats`` times, the methods interleaved in alternating order so that the machine's drift (10-20 % over a run
-on shared CPUs) hits them alike; the table gives the median.
+``--repeats`` times, the methods interleaved in alternating order so that the machine's drift (10-25 % between two
+batches minutes apart, measured on a shared CPU) hits them alike; the table gives the median.
 """
 
 from __future__ import annotations
