@@ -1,7 +1,8 @@
 """How DSpark decoding runs: the candidate generator behind ``generate(assistant_model=drafter)``, its hook,
 and per-call statistics."""
 
-from .candidate_generator import DraftProposal, DSparkCandidateGenerator, propose_block
+from .candidate_generator import DSparkCandidateGenerator
+from .drafting import DraftBlock, draft_block, draft_token
 from .hooks import (
     TESTED_TRANSFORMERS,
     dspark_generate,
@@ -26,7 +27,9 @@ __all__ = [
     "DSparkGenerationStats",
     "DSparkRound",
     "Eagle3CandidateGenerator",
-    "DraftProposal",
+    "DraftBlock",
+    "draft_block",
+    "draft_token",
     "TESTED_TRANSFORMERS",
     "dspark_generate",
     "install_generate_hook",
@@ -36,6 +39,5 @@ __all__ = [
     "profile_draft_cost",
     "profile_sps",
     "profile_verify_cost",
-    "propose_block",
     "uninstall_generate_hook",
 ]

@@ -3,14 +3,13 @@
 It follows the protocol of the built-in DFlash generator (``requires_model_outputs``,
 ``model_kwargs_overrides``, the prefill iteration skipped): each round it feeds the target's hidden
 states of the tokens accepted in the last verification forward into the drafter's context cache, drafts
-one block from the bonus token (the anchor), samples it left to right with the Markov bias, and
-truncates it with the confidence head. It returns exactly the processed logits each drafted token was
+one block from the bonus token (the anchor), samples it left to right with the Markov bias and
+truncates it with the confidence head (``generation.drafting.draft_block``, the engine's drafting too). It returns exactly the processed logits each drafted token was
 sampled from, so Transformers' speculative sampling stays lossless at temperature > 0.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import time
 import warnings
 from typing import Any
@@ -19,78 +18,10 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from modeling_dspark.markov_head import sample_categorical
-
+from .drafting import draft_block
 from .stats import DSparkGenerationStats, DSparkRound
 
-__all__ = ["DSparkCandidateGenerator", "DraftProposal", "HiddenStateCandidateGenerator", "check_assisted_inputs", "propose_block"]
-
-
-@dataclass
-class DraftProposal:
-    tokens: torch.LongTensor  # [1, k] drafted tokens, k may be 0
-    logits: torch.Tensor | None  # [1, k, V] float32 processed logits the tokens were sampled from (q)
-    confidence_logits: torch.Tensor  # [k'] raw c_j logits of every slot whose confidence was computed (k' >= k)
-
-
-def propose_block(
-    drafter,
-    *,
-    hidden_states: torch.Tensor,  # [1, gamma, d] block hidden states h
-    lm_head: torch.nn.Module,
-    anchor_ids: torch.LongTensor,  # [1] the anchor x0 (bonus token)
-    prefix_ids: torch.LongTensor,  # [1, L] sequence so far, anchor included (for the logits processors)
-    max_tokens: int,
-    truncation: str,
-    threshold: float,
-    do_sample: bool,
-    logits_processor=None,
-    eos_token_ids: torch.Tensor | None = None,
-) -> DraftProposal:
-    """Sample up to ``max_tokens`` drafts left to right: ``p_k = softmax(proc(U_k + B_k(x_{k-1})))``.
-
-    With ``truncation="threshold"`` slot k is kept only while the cumulative survival ``prod_{j<=k} c_j``
-    stays at or above ``threshold``; ``c_k`` reads ``h_k`` and the previously *sampled* token, so the decision
-    to keep a token never depends on that token (the non-anticipation that keeps verification lossless)."""
-    use_confidence = drafter.confidence_head is not None
-    markov = drafter.markov_head
-    h = hidden_states[0, :max_tokens]  # [k_max, d]
-    prev = anchor_ids  # [1]
-    survival = 1.0
-    raw_confidences, tokens, logits = [], [], []
-    base = None
-    state = markov.initial_state(h[:1]) if markov is not None else None
-    ids = prefix_ids
-    for k in range(max_tokens):
-        if use_confidence:
-            z_k = drafter.confidence_logits(h[k : k + 1], prev)
-            raw_confidences.append(z_k)
-            survival = survival * float(drafter.calibrated_confidence(z_k, position=k))
-            if truncation == "threshold" and survival < threshold:
-                break
-        if base is None:  # one LM-head matmul for the block, skipped when slot 1 is already truncated
-            base = lm_head(h.to(lm_head.weight.dtype)).float()  # [k_max, V]
-        step = base[k : k + 1]
-        if markov is not None:
-            step, state = markov.apply_step_logits(step, prev, h[k : k + 1], state)
-        if logits_processor is not None:
-            step = logits_processor(ids, step)
-        if do_sample:
-            token = sample_categorical(torch.softmax(step, dim=-1))
-        else:
-            token = step.argmax(dim=-1)
-        tokens.append(token)
-        logits.append(step)
-        ids = torch.cat([ids, token[None]], dim=-1)
-        prev = token
-        if eos_token_ids is not None and torch.isin(token, eos_token_ids).any():
-            break  # nothing after an end-of-sequence token can be accepted
-    return DraftProposal(
-        tokens=torch.stack(tokens, dim=1) if tokens else prefix_ids.new_empty(1, 0),
-        logits=torch.stack(logits, dim=1) if tokens else None,
-        confidence_logits=torch.cat(raw_confidences) if raw_confidences else h.new_empty(0, dtype=torch.float32),
-    )
-
+__all__ = ["DSparkCandidateGenerator", "HiddenStateCandidateGenerator", "check_assisted_inputs"]
 
 
 def check_assisted_inputs(input_ids: torch.LongTensor, model_kwargs: dict | None, kind: str = "DSpark") -> None:
@@ -265,34 +196,34 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
             position_ids=positions,
             cache=self.cache,
         )
-        proposal = propose_block(
+        block = draft_block(
             self.drafter,
-            hidden_states=out.last_hidden_state,
-            lm_head=self.lm_head,
-            anchor_ids=anchor,
-            prefix_ids=input_ids,
-            max_tokens=max_tokens,
-            truncation="fixed" if self.truncation == "cost" else self.truncation,
-            threshold=self.threshold,
-            do_sample=self.do_sample,
+            out.last_hidden_state,
+            self.lm_head,
+            anchor,
+            num_slots=max_tokens,
+            greedy=not self.do_sample,
             logits_processor=self.logits_processor,
+            prefix_ids=input_ids,
+            threshold=self.threshold if self.truncation == "threshold" else None,
             eos_token_ids=self.eos_token_ids,
         )
-        drafted = verified = proposal.tokens.shape[1]
+        drafted = verified = int(block.lengths[0])
+        confidence = block.confidence_logits[0] if block.confidence_logits is not None else None
         if self.depth_planner is not None and drafted:
-            verified = self._cost_cut(proposal.confidence_logits[:drafted], depth)
+            verified = self._cost_cut(confidence[:drafted], depth)
         self._pending_round = DSparkRound(
             drafted=drafted,
             verified=verified,
-            confidence_logits=proposal.confidence_logits[:verified].tolist(),
+            confidence_logits=confidence[:verified].tolist() if confidence is not None else [],
             draft_seconds=time.perf_counter() - start,
         )
         if self.depth_planner is not None:
             self._round_timing = (start, depth, verified)
         if verified == 0:
             return input_ids, None
-        tokens = proposal.tokens[:, :verified].to(input_ids.device)
-        return torch.cat([input_ids, tokens], dim=-1), proposal.logits[:, :verified]
+        tokens = block.tokens[:, :verified].to(input_ids.device)
+        return torch.cat([input_ids, tokens], dim=-1), block.logits[:, :verified]
 
     def _cost_cut(self, confidence_logits: torch.Tensor, depth: int) -> int:
         """Algorithm 1 on this row's drafted slots (early stop: slot k is cut on survival up to k); the estimate

@@ -87,6 +87,7 @@ def cmd_generate(args) -> int:
 WORKFLOW = {
     "prepare-data": ("modeling_dspark.data", "let the target regenerate its responses to the training prompts"),
     "train": ("modeling_dspark.train", "train a DSpark, DFlash or Eagle3 drafter (resumable)"),
+    "bench-train": ("modeling_dspark.bench_train", "training speed (predicted positions / s) of the default recipe against the first shipped one"),
     "calibrate": ("modeling_dspark.calibration", "Sequential Temperature Scaling of a drafter's confidence head"),
     "adapt": ("modeling_dspark.adapt", "LoRA-adapt a trained drafter to a new domain with PEFT"),
     "eval": ("generation.harness", "the paper's tau evaluation on the nine benchmarks, tables and plots"),

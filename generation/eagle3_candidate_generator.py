@@ -13,9 +13,8 @@ import time
 
 import torch
 
-from modeling_dspark.markov_head import sample_categorical
-
 from .candidate_generator import HiddenStateCandidateGenerator
+from .drafting import draft_token
 from .stats import DSparkRound
 
 __all__ = ["Eagle3CandidateGenerator"]
@@ -59,10 +58,8 @@ class Eagle3CandidateGenerator(HiddenStateCandidateGenerator):
         ids = input_ids
         tokens, logits = [], []
         for k in range(max_tokens):
-            step = self.lm_head(normed[:, -1].to(self.lm_head.weight.dtype)).float()  # [1, V]
-            if self.logits_processor is not None:
-                step = self.logits_processor(ids, step)
-            token = sample_categorical(torch.softmax(step, dim=-1)) if self.do_sample else step.argmax(dim=-1)
+            step = drafter.draft_base_logits(normed[:, -1], self.lm_head)  # [1, Vd]
+            token, step = draft_token(drafter, step, not self.do_sample, self.logits_processor, ids)
             tokens.append(token)
             logits.append(step)
             ids = torch.cat([ids, token[None].to(ids.device)], dim=-1)

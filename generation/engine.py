@@ -33,6 +33,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .depth_planner import DepthPlanner
+from .drafting import draft_block
 from .profiler import _model_key
 from .ragged_cache import RaggedCache
 from .scheduler import (
@@ -295,26 +296,12 @@ class DSparkEngine:
         for r in requests:
             r.pending_features = None
         # the whole block goes through the backbone (its slots attend to each other), the LM head only where sampled
-        h = out.last_hidden_state[:, :depth]  # [R, D, d]
-        base = self.lm_head(h.to(self.lm_head.weight.dtype)).float()
         temperature, top_p, greedy = self._settings(requests)
-        prev, state = anchors, None
-        markov = drafter.markov_head
-        if markov is not None:
-            state = markov.initial_state(h[:, 0])
-        tokens, logits, confidences = [], [], []
-        for k in range(depth):
-            if drafter.confidence_head is not None:
-                confidences.append(drafter.confidence_logits(h[:, k], prev))
-            step = base[:, k]
-            if markov is not None:
-                step, state = markov.apply_step_logits(step, prev, h[:, k], state)
-            step = process_logits(step, temperature, top_p)
-            prev = sample_tokens(step, greedy)
-            tokens.append(prev)
-            logits.append(step)
-        conf = torch.stack(confidences, dim=1) if confidences else None
-        return torch.stack(tokens, dim=1), torch.stack(logits, dim=1), conf
+        block = draft_block(
+            drafter, out.last_hidden_state, self.lm_head, anchors, num_slots=depth, greedy=greedy,
+            logits_processor=lambda ids, logits: process_logits(logits, temperature, top_p),
+        )  # fmt: skip
+        return block.tokens, block.logits, block.confidence_logits
 
     def _survival(self, confidence_logits, drafted):
         """Calibrated cumulative survival per request over its drafted slots."""

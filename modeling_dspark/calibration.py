@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 where this CPU has fast bf16, else fp32), bf16 or fp32")
     parser.add_argument("--drafter", required=True)
-    parser.add_argument("--data", required=True, help="regenerated responses; their held-out split is used")
+    parser.add_argument("--data", required=True, nargs="+", help="regenerated responses; their held-out split is used")
     parser.add_argument("--num-prompts", type=int, default=120, help="held-out prompts (half fit, half report)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args(argv)
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(args.drafter)
     drafter = DSparkModel.from_pretrained(folder, dtype=target.dtype).eval()
     drafter.config.confidence_temperatures = None  # collect raw logits
-    _, held_out = split_holdout(read_responses(args.data))
+    _, held_out = split_holdout([row for path in args.data for row in read_responses(path)])
     prompts = [row["prompt_ids"] for row in held_out[: args.num_prompts]]
     half = len(prompts) // 2
     fit_rounds = collect_rounds(target, drafter, prompts[:half], max_new_tokens=args.max_new_tokens, seed=0)

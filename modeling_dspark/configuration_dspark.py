@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from transformers.configuration_utils import PreTrainedConfig
 
-__all__ = ["DSparkConfig", "MARKOV_HEAD_TYPES", "TRUNCATION_MODES"]
+__all__ = ["DSparkConfig", "MARKOV_HEAD_TYPES", "TRUNCATION_MODES", "check_draft_vocab_size"]
 
 MARKOV_HEAD_TYPES = ("vanilla", "rnn")
 TRUNCATION_MODES = ("fixed", "threshold")
@@ -57,6 +57,10 @@ class DSparkConfig(PreTrainedConfig):
             Threshold on the cumulative survival ``prod_i c_i``; 0 keeps every position.
         num_anchors (`int`, defaults to 512):
             Anchors sampled per training sequence.
+        draft_vocab_size (`int`, *optional*):
+            Size of the draft vocabulary (the target ids in the ``d2t`` buffer, ``target_id = draft_id + d2t[draft_id]``):
+            the drafter's logits and the Markov head live over these tokens only. `None` drafts over the whole
+            target vocabulary.
         The remaining fields describe the draft layers and default to the target's values.
     """
 
@@ -75,6 +79,7 @@ class DSparkConfig(PreTrainedConfig):
     confidence_with_markov: bool = True
     mask_token_id: int | None = None
     num_anchors: int = 512
+    draft_vocab_size: int | None = None
     # calibration and inference defaults
     confidence_temperatures: list[float] | None = None
     truncation: str = "threshold"
@@ -144,3 +149,11 @@ class DSparkConfig(PreTrainedConfig):
                 raise ValueError(f"confidence_temperatures must be positive, got {self.confidence_temperatures}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        check_draft_vocab_size(self)
+
+
+def check_draft_vocab_size(config) -> None:
+    """``draft_vocab_size`` is None (the whole vocabulary) or in [1, vocab_size]."""
+    size = config.draft_vocab_size
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= config.vocab_size):
+        raise ValueError(f"draft_vocab_size must be None or an int in [1, vocab_size={config.vocab_size}], got {size!r}")

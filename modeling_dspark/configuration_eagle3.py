@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from transformers.configuration_utils import PreTrainedConfig
 
+from .configuration_dspark import check_draft_vocab_size
+
 __all__ = ["Eagle3DrafterConfig"]
 
 
@@ -30,6 +32,8 @@ class Eagle3DrafterConfig(PreTrainedConfig):
         num_anchors (`int`, defaults to 512):
             Supervised positions per training sequence (the DSpark trainer's anchors; each starts a chain of
             ``ttt_length`` predictions), so both drafters see the same number of supervised tokens.
+        draft_vocab_size (`int`, *optional*):
+            Size of the draft vocabulary (``d2t`` buffer, as DSpark's); `None` drafts over the whole vocabulary.
         The remaining fields describe the draft layer and default to the target's values.
     """
 
@@ -42,6 +46,7 @@ class Eagle3DrafterConfig(PreTrainedConfig):
     target_hidden_size: int | None = None
     target_model_type: str | None = None
     num_anchors: int = 512
+    draft_vocab_size: int | None = None
     # geometry of the draft layer (copied from the target)
     vocab_size: int = 32000
     hidden_size: int = 1024
@@ -78,6 +83,7 @@ class Eagle3DrafterConfig(PreTrainedConfig):
             raise ValueError(f"target_layer_ids {ids} must stay below the target's last layer ({self.num_target_layers - 1})")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        check_draft_vocab_size(self)
 
     @property
     def num_hidden_layers(self) -> int:

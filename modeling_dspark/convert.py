@@ -12,6 +12,11 @@ Deliberate differences, and how the DeepSpec path still reproduces DeepSpec exac
   id and as ``mask_embedding.pt`` (which vLLM reads as the MASK row override).
 - embed/LM head: not stored by us; on load they are dropped after checking they have the shapes the config
   promises, on export they are copied from the target.
+- draft vocabulary: exported as EAGLE-3 / speculators checkpoints carry one, ``draft_vocab_size`` in the config
+  and the ``d2t`` offsets in the state dict, with ``lm_head.weight`` holding only the draft vocabulary's rows and
+  ``markov_w2`` its draft-vocabulary columns. ``markov_w1``, which engines index by target id, is expanded to the
+  whole vocabulary (every id outside the draft vocabulary gets the shared outside row), so it is exact for them;
+  loading folds it back.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ def deepspec_config_to_dspark(cfg: dict) -> DSparkConfig:
         confidence_with_markov=bool(cfg.get("confidence_head_with_markov", False)),
         mask_token_id=cfg["mask_token_id"],
         num_anchors=cfg.get("num_anchors", 512),
+        draft_vocab_size=cfg.get("draft_vocab_size"),
         # DeepSpec's evaluator drafts the whole block (its threshold defaults to off).
         truncation="fixed",
     )
@@ -98,16 +104,24 @@ def from_deepspec(folder: str | os.PathLike, *, dtype: torch.dtype | None = None
     config = deepspec_config_to_dspark(raw)
     state = _load_state_dict(folder)
     vocab, width = config.vocab_size, config.hidden_size
-    for key in _SHARED_KEYS:
-        if key in state and tuple(state[key].shape) != (vocab, width):
-            raise ValueError(f"{key} in {folder} has shape {tuple(state[key].shape)}, config says {(vocab, width)}")
+    draft_vocab = config.draft_vocab_size or vocab
+    for key, rows in zip(_SHARED_KEYS, (vocab, draft_vocab)):
+        if key in state and tuple(state[key].shape) != (rows, width):
+            raise ValueError(f"{key} in {folder} has shape {tuple(state[key].shape)}, config says {(rows, width)}")
         state.pop(key, None)
+    w1 = "markov_head.markov_w1.weight"
+    if config.draft_vocab_size is not None and w1 in state and "d2t" in state:
+        ids = torch.arange(config.draft_vocab_size) + state["d2t"].long()
+        outside = torch.ones(vocab, dtype=torch.bool)
+        outside[ids] = False
+        shared = state[w1][outside.nonzero()[0, 0]] if bool(outside.any()) else state[w1][0]
+        state[w1] = torch.cat([state[w1][ids], shared[None]])  # draft rows, then the shared outside row
     model = DSparkModel(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith("rotary_emb.")]
     if missing or unexpected:
         raise ValueError(f"DeepSpec checkpoint {folder} does not match its config: missing {missing}, unexpected {unexpected}")
-    dtype = dtype if dtype is not None and dtype != "auto" else next(iter(state.values())).dtype
+    dtype = dtype if dtype is not None and dtype != "auto" else next(v.dtype for v in state.values() if v.is_floating_point())
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -122,14 +136,22 @@ def to_deepspec(drafter, target, folder: str | os.PathLike, *, dtype: torch.dtyp
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     embed = target.get_input_embeddings().weight.detach().to("cpu", dtype).clone()
-    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items() if k != "mask_embedding"}
+    state = {k: (v.detach().to("cpu", dtype) if v.is_floating_point() else v.detach().cpu()).contiguous() for k, v in drafter.state_dict().items() if k != "mask_embedding"}
     mask_id = cfg.mask_token_id
     if drafter.mask_embedding is not None:
         mask_id = cfg.vocab_size - 1 if mask_token_id is None else mask_token_id
         embed[mask_id] = drafter.mask_embedding.detach().to("cpu", dtype)
         torch.save(drafter.mask_embedding.detach().to("cpu", dtype).clone(), folder / "mask_embedding.pt")
     state["embed_tokens.weight"] = embed.contiguous()
-    state["lm_head.weight"] = target.get_output_embeddings().weight.detach().to("cpu", dtype).contiguous().clone()
+    head = target.get_output_embeddings().weight.detach().to("cpu", dtype)
+    if drafter.has_draft_vocab:
+        ids = drafter.draft_token_ids.cpu()
+        head = head[ids]  # the draft vocabulary's rows, as EAGLE-3 checkpoints store their LM head
+        w1 = "markov_head.markov_w1.weight"
+        if w1 in state:  # engines index W1 by target id: one row per target token
+            state[w1] = state[w1][drafter.draft_index(torch.arange(cfg.vocab_size, device=drafter.d2t.device)).cpu()].contiguous()
+        state["d2t"] = drafter.d2t.detach().cpu().contiguous()
+    state["lm_head.weight"] = head.contiguous().clone()
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
 
     text = target.config.get_text_config().to_dict()
@@ -151,6 +173,8 @@ def to_deepspec(drafter, target, folder: str | os.PathLike, *, dtype: torch.dtyp
         markov_rank=cfg.markov_rank if cfg.markov_head_type is not None else 0,
         dtype=str(dtype).removeprefix("torch."),
     )
+    if cfg.draft_vocab_size is not None:
+        out["draft_vocab_size"] = cfg.draft_vocab_size
     out.pop("auto_map", None)
     if cfg.confidence_head:
         out["confidence_head_with_markov"] = cfg.confidence_with_markov and cfg.markov_head_type is not None

@@ -69,6 +69,13 @@ def read_responses(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _continuous_batching_ok(target) -> bool:
+    """The serving engine's ragged cache needs full attention (a sliding window would count rolled-back columns)."""
+    text = target.config.get_text_config()
+    layer_types = getattr(text, "layer_types", None) or []
+    return not (getattr(text, "sliding_window", None) and (not layer_types or "sliding_attention" in layer_types))
+
+
 @torch.no_grad()
 def regenerate_responses(
     target,
@@ -77,16 +84,28 @@ def regenerate_responses(
     out_path: str | Path,
     *,
     sampling: dict,
-    batch_size: int = 16,
+    batch_size: int = 96,
     max_new_tokens: int = 256,
     max_prompt_tokens: int = 384,
     seed: int = 0,
+    backend: str = "auto",
 ) -> int:
     """Append ``{"id", "domain", "prompt_ids", "response_ids", "finished"}`` lines for prompts not yet in ``out_path``.
 
-    Prompts are sorted by length inside each chunk to limit padding. Returns the number of new responses."""
+    ``backend="engine"`` decodes with continuous batching (``DSparkEngine`` without a drafter): a finished response
+    leaves the batch at once and the next prompt takes its row, so no step is spent on padding after EOS (half
+    of the responses stop before the token limit). ``"generate"`` is Transformers' static batched ``generate()``
+    over length-sorted chunks, for targets the engine refuses (sliding-window attention); ``"auto"`` picks the
+    engine where it can. Each finished response is written at once, so an interrupted run resumes.
+    Returns the number of new responses."""
     from tqdm.auto import tqdm
 
+    if backend not in ("auto", "engine", "generate"):
+        raise ValueError(f"backend must be auto, engine or generate, got {backend!r}")
+    if backend == "auto":
+        backend = "engine" if _continuous_batching_ok(target) else "generate"
+    if backend == "engine" and (sampling.get("top_k") or 0) > 0:
+        raise ValueError("the engine samples with temperature and top-p only; pass top_k=0 or backend='generate'")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = {row["id"] for row in read_responses(out_path)}
@@ -99,8 +118,37 @@ def regenerate_responses(
             todo.append((row, ids))
     eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    written = 0
+    written = tokens = 0
     with _open(out_path, "a") as f, tqdm(total=len(todo), desc="regenerating responses", unit="prompt") as bar:
+
+        def write(row, ids, seq):
+            nonlocal written, tokens
+            finished = eos in seq
+            response = seq[: seq.index(eos) + 1] if finished else seq
+            f.write(json.dumps({"id": row["id"], "domain": row["domain"], "prompt_ids": ids, "response_ids": response, "finished": finished}) + "\n")
+            written, tokens = written + 1, tokens + len(response)
+            bar.update(1)
+            bar.set_postfix(tok_per_s=f"{tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}", refresh=False)
+
+        torch.manual_seed(seed)
+        if backend == "engine":
+            from generation.engine import DSparkEngine
+
+            engine = DSparkEngine(target, None, scheduler="none")
+            queue, owner = list(todo), {}
+            while queue or engine.has_work():
+                while queue and len(engine.active) + len(engine.waiting) < batch_size:
+                    row, ids = queue.pop(0)
+                    rid = engine.add_request(
+                        ids, max_new_tokens=max_new_tokens, temperature=float(sampling.get("temperature", 1.0)),
+                        top_p=float(sampling.get("top_p", 1.0)), eos_token_id=eos,
+                    )  # fmt: skip
+                    owner[rid] = (row, ids)
+                for request in engine.step():
+                    write(*owner.pop(request.request_id), request.output_ids)
+                    del engine.finished[request.request_id]
+                f.flush()
+            return written
         for start in range(0, len(todo), batch_size * 8):
             chunk = sorted(todo[start : start + batch_size * 8], key=lambda item: len(item[1]))
             for b in range(0, len(chunk), batch_size):
@@ -113,21 +161,21 @@ def regenerate_responses(
                     input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos, **sampling
                 )
                 for (row, ids), seq in zip(batch, out[:, width:].tolist()):
-                    finished = eos in seq
-                    response = seq[: seq.index(eos) + 1] if finished else seq
-                    f.write(json.dumps({"id": row["id"], "domain": row["domain"], "prompt_ids": ids, "response_ids": response, "finished": finished}) + "\n")
+                    write(row, ids, seq)
                 f.flush()
-                written += len(batch)
-                bar.update(len(batch))
     return written
 
 
 def split_holdout(rows: list[dict], fraction: float = 0.05, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """Deterministic (train, held-out) split by id, so the held-out set stays put as the cache grows."""
-    rng = random.Random(seed)
-    ids = sorted(row["id"] for row in rows)
-    held = set(rng.sample(ids, max(1, round(fraction * len(ids))))) if ids else set()
-    return [r for r in rows if r["id"] not in held], [r for r in rows if r["id"] in held]
+    """Deterministic (train, held-out) split by a hash of each id, so a prompt stays on its side as the data grows
+    (a drafter resumed on more data never trains on what it was evaluated on)."""
+    import hashlib
+
+    def held(row) -> bool:
+        digest = hashlib.sha1(f"{seed}:{row['id']}".encode()).digest()
+        return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+    return [r for r in rows if not held(r)], [r for r in rows if held(r)]
 
 
 def build_dataset(rows: Iterable[dict], *, max_length: int = 640, min_response_tokens: int = 8):
@@ -155,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-dir", default=str(DEFAULT_TRAIN_DIR))
     parser.add_argument("--out", default="data_cache/smollm2_regen.jsonl")
     parser.add_argument("--num-prompts", type=int, default=4000)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=96, help="concurrent requests (engine) or batch size (generate)")
+    parser.add_argument("--backend", choices=("auto", "engine", "generate"), default="auto")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--domains", nargs="+", default=["math", "code", "chat"])
@@ -167,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [p for p in prompts if p["id"] not in excluded][: args.num_prompts]
     n = regenerate_responses(
         target, tokenizer, prompts, args.out, sampling=SAMPLING[args.target], batch_size=args.batch_size,
-        max_new_tokens=args.max_new_tokens, seed=args.seed,
+        max_new_tokens=args.max_new_tokens, seed=args.seed, backend=args.backend,
     )  # fmt: skip
     print(f"{n} new responses; {len(read_responses(args.out))} in {args.out}")
     return 0

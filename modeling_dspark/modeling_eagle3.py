@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, repeat_kv
 
 from .configuration_eagle3 import Eagle3DrafterConfig
+from .draft_vocab import DraftVocabMixin
 from .modeling_dspark import apply_rotary, build_from_target, target_compatibility_problems
 
 __all__ = ["Eagle3DrafterModel", "attend"]
@@ -64,7 +65,7 @@ class Eagle3Attention(nn.Module):
         return self.o_proj(attn.transpose(1, 2).reshape(bsz, q_len, -1))
 
 
-class Eagle3DrafterModel(PreTrainedModel):
+class Eagle3DrafterModel(DraftVocabMixin, PreTrainedModel):
     """Eagle3 drafter: ``forward(input_embeds, hidden, position_ids, cache)`` runs one draft step for the given
     positions and returns ``(output, normed)``: ``output`` feeds the next step, ``lm_head(normed)`` its logits."""
 
@@ -86,6 +87,7 @@ class Eagle3DrafterModel(PreTrainedModel):
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.last_stats = None  # filled by generation.Eagle3CandidateGenerator after each generate()
+        self._init_draft_vocab()
         self.post_init()
 
     # the DSpark trainer and the shared evaluation code read these
@@ -136,7 +138,8 @@ class Eagle3DrafterModel(PreTrainedModel):
 
     @classmethod
     def from_target(cls, target: PreTrainedModel, **config_overrides) -> "Eagle3DrafterModel":
-        """A freshly initialised Eagle3 drafter for ``target`` (same five feature layers as a DSpark drafter)."""
+        """A freshly initialised Eagle3 drafter for ``target`` (same five feature layers as a DSpark drafter);
+        ``draft_vocab_ids`` gives it a draft vocabulary, as :meth:`DSparkModel.from_target`."""
         return build_from_target(cls, Eagle3DrafterConfig, target, config_overrides)
 
     def check_compatible(self, target: PreTrainedModel) -> None:

@@ -3,6 +3,10 @@
     python -m modeling_dspark.train --data data_cache/smollm2_regen.jsonl --output-dir runs/smollm2 \
         --max-steps 600 --export checkpoints/dspark-smollm2-135m-instruct
 
+The default recipe is the fast one (``dspark bench-train`` measures it against the first shipped recipe): a draft
+vocabulary of the 8,192 tokens most frequent in the training responses, dense anchors (256 per sequence, about
+every response position), the drafter's matrix products in bf16 autocast where the CPU has native bf16.
+
 Checkpoints go to ``--output-dir`` every ``--save-steps``; rerunning the same command resumes from the last one.
 The held-out split (5 % of prompt ids, see ``data.split_holdout``) is kept out of training for calibration.
 Under ``accelerate launch`` the same script trains data parallel.
@@ -18,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .data import build_dataset, read_responses, split_holdout
+from .draft_vocab import select_draft_vocab
 
 __all__ = ["main"]
 
@@ -25,7 +30,7 @@ __all__ = ["main"]
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m-instruct")
-    p.add_argument("--data", required=True, help="regenerated responses (JSONL, optionally .gz)")
+    p.add_argument("--data", required=True, nargs="+", help="regenerated responses (JSONL, optionally .gz; several files are joined)")
     p.add_argument("--output-dir", required=True, help="Trainer checkpoints (resumed from when present)")
     p.add_argument("--export", default=None, help="where to save the final drafter (bf16 save_pretrained folder)")
     p.add_argument("--max-steps", type=int, default=600)
@@ -33,14 +38,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-ratio", type=float, default=0.04)
-    p.add_argument("--num-anchors", type=int, default=32)
+    p.add_argument("--num-anchors", type=int, default=256, help="anchors per sequence (256: about every response position)")
+    p.add_argument("--draft-vocab-size", type=int, default=8192, help="draft vocabulary: the most frequent response tokens; 0 = the whole vocabulary")
     p.add_argument("--max-length", type=int, default=640)
     p.add_argument("--save-steps", type=int, default=50)
     p.add_argument("--drafter", choices=("dspark", "eagle3"), default="dspark", help="dspark (DFlash: --markov-head none --no-confidence-head --ce-alpha 1 --l1-alpha 0) or the eagle3 baseline")
     p.add_argument("--block-size", type=int, default=7, help="block size (DSpark/DFlash) or training-time-test steps (Eagle3)")
     p.add_argument("--num-draft-layers", type=int, default=2)
     p.add_argument("--markov-head", default="vanilla", help="vanilla, rnn or none (DFlash)")
-    p.add_argument("--markov-rank", type=int, default=64)
+    p.add_argument("--markov-rank", type=int, default=256)
     p.add_argument("--no-confidence-head", action="store_true")
     p.add_argument("--ce-alpha", type=float, default=0.1)
     p.add_argument("--l1-alpha", type=float, default=0.9)
@@ -57,8 +63,25 @@ def build_arg_parser() -> argparse.ArgumentParser:
         default="auto",
         help="dtype of the frozen target's forward: auto (bf16 where the CPU has fast bf16, else fp32), bf16 or fp32",
     )
+    p.add_argument("--bf16", choices=("auto", "on", "off"), default="auto", help="bf16 autocast for the drafter (fp32 master weights); auto: where the CPU has fast bf16")
+    p.add_argument("--init-from", default=None, help="warm-start from a drafter folder (same geometry), e.g. the last export")
     p.add_argument("--seed", type=int, default=42)
     return p
+
+
+def response_draft_vocab(rows: list[dict], tokenizer, size: int) -> torch.LongTensor:
+    """The draft vocabulary for a recipe: the ``size`` most frequent response tokens of ``rows``, with EOS and the
+    tokenizer's special tokens (the chat template's end-of-turn among them) always in."""
+    always = set(tokenizer.all_special_ids)
+    if tokenizer.eos_token_id is not None:
+        always.add(tokenizer.eos_token_id)
+    return select_draft_vocab((r["response_ids"] for r in rows), size, always=always, vocab_size=len(tokenizer))
+
+
+def use_bf16_autocast(choice: str) -> bool:
+    from .targets import fast_dtype
+
+    return choice == "on" or (choice == "auto" and fast_dtype() == torch.bfloat16)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,15 +95,18 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     target_dtype = resolve_dtype(args.target_dtype)
     target, tokenizer = load_target(args.target, dtype=target_dtype)
-    rows = read_responses(args.data)
+    rows = [row for path in args.data for row in read_responses(path)]
     if not rows:
         raise SystemExit(f"no regenerated responses in {args.data}; run python -m modeling_dspark.data first")
     train_rows, held_out = split_holdout(rows)
     dataset = build_dataset(train_rows, max_length=args.max_length).shuffle(seed=args.seed)
     markov = None if args.markov_head == "none" else args.markov_head
+    vocab = {}
+    if args.draft_vocab_size:
+        vocab = {"draft_vocab_ids": response_draft_vocab(train_rows, tokenizer, args.draft_vocab_size)}
     if args.drafter == "eagle3":  # one layer, training-time test over block-size steps, soft CE (its own recipe)
         drafter = Eagle3DrafterModel.from_target(
-            target, dtype=torch.float32, ttt_length=args.block_size, num_anchors=args.num_anchors
+            target, dtype=torch.float32, ttt_length=args.block_size, num_anchors=args.num_anchors, **vocab
         )
     else:
         drafter = DSparkModel.from_target(
@@ -92,7 +118,14 @@ def main(argv: list[str] | None = None) -> int:
             markov_rank=args.markov_rank,
             confidence_head=not args.no_confidence_head,
             num_anchors=args.num_anchors,
+            **vocab,
         )
+    if args.init_from:
+        warm = type(drafter).from_pretrained(args.init_from, dtype=torch.float32)
+        try:  # its draft vocabulary (d2t) comes with it
+            drafter.load_state_dict(warm.state_dict())
+        except RuntimeError as err:
+            raise SystemExit(f"--init-from {args.init_from}: not the geometry of this command's drafter ({err})") from None
     out_dir = Path(args.output_dir)
     training_args = DSparkTrainingArguments(
         output_dir=str(out_dir),
@@ -112,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         dataloader_num_workers=0,
         train_sampling_strategy="group_by_length",  # less right padding: the frozen target's forward dominates a CPU step
         seed=args.seed,
+        bf16=use_bf16_autocast(args.bf16),
         ce_alpha=args.ce_alpha,
         l1_alpha=args.l1_alpha,
         confidence_alpha=args.confidence_alpha if not args.no_confidence_head else 0.0,
@@ -137,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.model.to(torch.bfloat16).save_pretrained(export)
         budget = {
             "target": args.target,
-            "data": str(args.data),
+            "data": [str(d) for d in args.data],
             "train_prompts": len(train_rows),
             "held_out_prompts": len(held_out),
             "train_sequences": len(dataset),
@@ -145,12 +179,16 @@ def main(argv: list[str] | None = None) -> int:
             "steps": result.global_step,
             "batch_size": args.batch_size * args.grad_accum,
             "anchors_per_sequence": args.num_anchors,
+            "draft_vocab_size": args.draft_vocab_size or None,
+            "bf16_autocast": bool(training_args.bf16),
+            "predicted_positions_this_run": trainer.predicted_positions,
             "target_dtype": str(target_dtype).removeprefix("torch."),
             "sequences_seen": result.global_step * args.batch_size * args.grad_accum,
             "wall_time_s_this_run": round(wall, 1),
             "resumed_from": last,
             "final_train_loss": result.training_loss,
             "command": "python -m modeling_dspark.train " + " ".join(argv or __import__("sys").argv[1:]),
+            "arguments": vars(args),
             "held_out_eval": held_out_metrics,
             "log_history": trainer.state.log_history[-5:],
         }

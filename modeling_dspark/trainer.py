@@ -32,7 +32,8 @@ class DSparkTrainingArguments(TrainingArguments):
     )
     loss_decay: float = field(default=4.0, metadata={"help": "position weights exp(-k / loss_decay), k 0-based"})
     num_anchors: int | None = field(default=None, metadata={"help": "anchors per sequence (default: drafter config)"})
-    logits_chunk_size: int = field(default=64, metadata={"help": "blocks whose full-vocabulary logits exist at once"})
+    logits_chunk_size: int = field(default=16, metadata={"help": "blocks whose draft logits are formed at once"})
+    logits_memory_gb: float = field(default=6.0, metadata={"help": "above this, chunk logits are recomputed in backward"})
     remove_unused_columns: bool = False  # the drafter's forward does not take the dataset's columns
 
 
@@ -74,6 +75,7 @@ class DSparkTrainer(Trainer):
         self.target.to(self.args.device)
         self._dspark_logs: dict[str, list] = defaultdict(list)
         self._eval_prefix: str | None = None  # set while evaluate() runs
+        self.predicted_positions = 0  # supervised block slots trained on (the training budget's unit)
 
     @torch.no_grad()
     def target_features(self, input_ids, attention_mask):
@@ -111,9 +113,15 @@ class DSparkTrainer(Trainer):
             ce_target=args.ce_target,
             decay=args.loss_decay,
             chunk_size=args.logits_chunk_size,
+            logits_memory_gb=args.logits_memory_gb,
             return_logits=return_outputs,
         )
-        out = model(dspark_loss_inputs=loss_inputs)  # through the wrapper, so data parallelism syncs gradients
+        # bf16 autocast for the drafter (fp32 master weights) where args.bf16 asks for it: the matrix products run
+        # at the CPU's native bf16 rate; the loss terms cast their logits to fp32 themselves
+        with torch.autocast(self.args.device.type, dtype=torch.bfloat16, enabled=bool(args.bf16)):
+            out = model(dspark_loss_inputs=loss_inputs)  # through the wrapper, so data parallelism syncs gradients
+        if self._eval_prefix is None and model.training:
+            self.predicted_positions += int(out.accept_rate_den.sum())
         logs = self._dspark_logs
         for name in ("ce_loss", "l1_loss", "confidence_loss"):
             logs[name].append(float(getattr(out, name).detach()))

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from generation.drafting import draft_block
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -85,7 +87,8 @@ def test_inference_round_one(fx, parity_report):
     close("inf.r1.tf_markov_logits", drafter.markov_head.apply_block_logits(base, prev, h), ref["inf.r1.tf_markov_logits"], parity_report)
     close("inf.r1.tf_confidence_logits", drafter.confidence_logits(h, prev), ref["inf.r1.tf_confidence_logits"], parity_report)
 
-    tokens, corrected = drafter.markov_head.sample_block_tokens(base, full[:, start], h, temperature=0.0)
+    block = draft_block(drafter, h, target.get_output_embeddings(), full[:, start], num_slots=h.shape[1], greedy=True)
+    tokens, corrected = block.tokens, block.logits
     assert torch.equal(tokens, ref["inf.r1.greedy_tokens"])
     close("inf.r1.greedy_markov_logits", corrected, ref["inf.r1.greedy_markov_logits"], parity_report)
     greedy_prev = torch.cat([full[:, start : start + 1], tokens[:, :-1]], dim=1)

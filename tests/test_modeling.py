@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModel
 
+from generation.drafting import draft_block
 from modeling_dspark import DSparkConfig, DSparkModel, build_target_layer_ids
 from modeling_dspark.convert import from_deepspec, to_deepspec
 from tiny_models import tiny_drafter, tiny_target
@@ -124,10 +125,15 @@ def test_markov_step_and_block_verbs_agree(head):
     for k in range(4):
         step, state = markov.apply_step_logits(base[:, k], prev[:, k], h[:, k], state)
         torch.testing.assert_close(step, block[:, k])
-    tokens, corrected = markov.sample_block_tokens(base, prev[:, 0], h, temperature=0.0)
-    teacher = torch.cat([prev[:, :1], tokens[:, :-1]], dim=1)  # feeding the sampled tokens back gives the same logits
-    torch.testing.assert_close(corrected, markov.apply_block_logits(base, teacher, h))
-    assert torch.equal(tokens, corrected.argmax(-1))
+    # the drafting loop (generation.drafting.draft_block) applies the step verb; feeding its sampled tokens back
+    # through the block verb gives the same logits
+    head = torch.nn.Linear(32, 96, bias=False)
+    with torch.no_grad():
+        draft = draft_block(drafter, h, head, prev[:, 0], num_slots=4, greedy=True)
+        base_h = head(h)
+    teacher = torch.cat([prev[:, :1], draft.tokens[:, :-1]], dim=1)
+    torch.testing.assert_close(draft.logits, markov.apply_block_logits(base_h, teacher, h))
+    assert torch.equal(draft.tokens, draft.logits.argmax(-1))
 
 
 def test_markov_bias_is_eq5():

@@ -110,7 +110,7 @@ def test_confidence_target_carries_no_gradient():
     draft = torch.randn(3, 4, 10, requires_grad=True)
     target_logits, ids = torch.randn(3, 4, 10), torch.randint(0, 10, (3, 4))
     conf = torch.randn(3, 4, requires_grad=True)
-    _, _, conf_num, _ = compute_block_loss_terms(draft, target_logits, ids, conf, torch.ones(3, 4))
+    _, _, conf_num, _ = compute_block_loss_terms(draft, target_logits.softmax(-1), ids, conf, torch.ones(3, 4))
     conf_num.backward()
     assert draft.grad is None and conf.grad is not None and conf.grad.abs().sum() > 0
 
@@ -119,15 +119,16 @@ def test_distribution_cross_entropy_is_kl_plus_target_entropy():
     torch.manual_seed(0)
     draft, target_logits, ids = torch.randn(3, 4, 10), torch.randn(3, 4, 10), torch.randint(0, 10, (3, 4))
     w = torch.rand(3, 4)
-    ce_label, l1, _, _ = compute_block_loss_terms(draft, target_logits, ids, None, w)
-    ce_dist, l1_dist, _, _ = compute_block_loss_terms(draft, target_logits, ids, None, w, ce_target="distribution")
+    target_probs = target_logits.softmax(-1)
+    ce_label, l1, _, _ = compute_block_loss_terms(draft, target_probs, ids, None, w)
+    ce_dist, l1_dist, _, _ = compute_block_loss_terms(draft, target_probs, ids, None, w, ce_target="distribution")
     p_log, q_log = target_logits.log_softmax(-1), draft.log_softmax(-1)
     kl = (p_log.exp() * (p_log - q_log)).sum(-1)
     entropy = -(p_log.exp() * p_log).sum(-1)
     assert torch.allclose(ce_dist, (w * (kl + entropy)).sum(), atol=1e-5)
     assert not torch.allclose(ce_dist, ce_label) and torch.equal(l1, l1_dist)
     with pytest.raises(ValueError, match="ce_target"):
-        compute_block_loss_terms(draft, target_logits, ids, None, w, ce_target="soft")
+        compute_block_loss_terms(draft, target_probs, ids, None, w, ce_target="soft")
 
 
 def test_sts_keeps_ranking_and_lowers_ece_on_overconfident_scores():
