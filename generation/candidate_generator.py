@@ -127,6 +127,8 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
         self.truncation = getattr(generation_config, "dspark_truncation", None) or cfg.truncation
         threshold = getattr(generation_config, "dspark_confidence_threshold", None)
         self.threshold = cfg.confidence_threshold if threshold is None else float(threshold)
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"dspark_confidence_threshold is a cumulative survival probability, in [0, 1]; got {self.threshold}")
         if self.truncation not in ("fixed", "threshold", "cost"):
             raise ValueError(f"dspark_truncation must be 'fixed', 'threshold' or 'cost', got {self.truncation!r}")
         if self.truncation == "threshold" and self.threshold > 0 and drafter.confidence_head is None:

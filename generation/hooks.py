@@ -93,19 +93,41 @@ def _check_dspark_assistant(original):
     @functools.wraps(original)
     def _validate_generation_mode(self, *args, **kwargs):
         # Transformers reads a vocabulary mismatch as "different tokenizers"; say what is really wrong first.
-        mode_kwargs = signature.bind(self, *args, **kwargs).arguments.get("generation_mode_kwargs") or {}
+        call = signature.bind(self, *args, **kwargs).arguments
+        mode_kwargs = call.get("generation_mode_kwargs") or {}
         assistant = mode_kwargs.get("assistant_model")
         if is_hidden_state_drafter(assistant):
             assistant.check_compatible(self)
+            config = call.get("generation_config")
+            if config is not None and (getattr(config, "num_beams", 1) or 1) > 1:
+                # Transformers would warn and silently decode greedily
+                raise ValueError(
+                    f"num_beams={config.num_beams} cannot be combined with a {_model_type(assistant)} assistant: speculative "
+                    "decoding verifies one sequence; use num_beams=1 (greedy or sampling)"
+                )
         return original(self, *args, **kwargs)
 
     return _validate_generation_mode
+
+
+def _accept_dspark_keywords(original):
+    @functools.wraps(original)
+    def _prepare_generation_config(self, *args, **kwargs):
+        # generate(..., dspark_truncation="cost") like any generation argument: GenerationConfig keeps only the
+        # attributes it knows, so ours would be left over as "model_kwargs not used by the model"
+        generation_config, model_kwargs = original(self, *args, **kwargs)
+        for key in [k for k in model_kwargs if k.startswith("dspark_") and k not in ("dspark_model", "dspark_streamer")]:
+            setattr(generation_config, key, model_kwargs.pop(key))
+        return generation_config, model_kwargs
+
+    return _prepare_generation_config
 
 
 # GenerationMixin method -> wrapper factory
 _WRAPPERS = {
     "_get_candidate_generator": _route_candidate_generator,
     "_validate_generation_mode": _check_dspark_assistant,
+    "_prepare_generation_config": _accept_dspark_keywords,
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from transformers.configuration_utils import PreTrainedConfig
 
-from .configuration_dspark import check_draft_vocab_size
+from .configuration_dspark import DSPARK_FIELD_TYPES, check_draft_vocab_size, check_field_types
 
 __all__ = ["Eagle3DrafterConfig"]
 
@@ -72,6 +72,8 @@ class Eagle3DrafterConfig(PreTrainedConfig):
             self.target_hidden_size = self.hidden_size
         if self.target_layer_ids is None:
             self.target_layer_ids = [0]
+        shared = ("target_layer_ids", "num_target_layers", "num_anchors", "draft_vocab_size", "vocab_size", "hidden_size")
+        check_field_types(self, {"ttt_length": DSPARK_FIELD_TYPES["block_size"], "step_loss_decay": DSPARK_FIELD_TYPES["confidence_threshold"], **{k: DSPARK_FIELD_TYPES[k] for k in shared}})
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         super().__post_init__(**kwargs)
         if self.ttt_length < 1:

@@ -15,6 +15,7 @@ import argparse
 import gzip
 import json
 import random
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -62,11 +63,23 @@ def _open(path: Path, mode: str):
 
 
 def read_responses(path: str | Path) -> list[dict]:
+    """Every complete response line of ``path``. A run stopped mid-write leaves a truncated last line (or gzip
+    member); what precedes it is kept, so appending to the same file resumes."""
     path = Path(path)
     if not path.is_file():
         return []
+    rows = []
     with _open(path, "r") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        try:
+            for line in f:
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        break  # the line being written when the run stopped
+        except (EOFError, gzip.BadGzipFile):
+            pass  # a gzip member without its end marker: the lines before it are whole
+    return rows
 
 
 def _continuous_batching_ok(target) -> bool:
@@ -119,6 +132,7 @@ def regenerate_responses(
     eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     written = tokens = 0
+    start = time.perf_counter()
     with _open(out_path, "a") as f, tqdm(total=len(todo), desc="regenerating responses", unit="prompt") as bar:
 
         def write(row, ids, seq):
@@ -128,7 +142,7 @@ def regenerate_responses(
             f.write(json.dumps({"id": row["id"], "domain": row["domain"], "prompt_ids": ids, "response_ids": response, "finished": finished}) + "\n")
             written, tokens = written + 1, tokens + len(response)
             bar.update(1)
-            bar.set_postfix(tok_per_s=f"{tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}", refresh=False)
+            bar.set_postfix(response_tok_per_s=f"{tokens / (time.perf_counter() - start):.0f}", refresh=False)
 
         torch.manual_seed(seed)
         if backend == "engine":

@@ -64,6 +64,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="dtype of the frozen target's forward: auto (bf16 where the CPU has fast bf16, else fp32), bf16 or fp32",
     )
     p.add_argument("--bf16", choices=("auto", "on", "off"), default="auto", help="bf16 autocast for the drafter (fp32 master weights); auto: where the CPU has fast bf16")
+    p.add_argument(
+        "--target-cache", default="auto",
+        help="folder of an offline cache of the target's features (built on first use; epochs after the first skip the "
+        "target's forward), 'none', or 'auto': OUTPUT_DIR/target_cache when the run plans two epochs or more",
+    )  # fmt: skip
     p.add_argument("--init-from", default=None, help="warm-start from a drafter folder (same geometry), e.g. the last export")
     p.add_argument("--seed", type=int, default=42)
     return p
@@ -99,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         raise SystemExit(f"no regenerated responses in {args.data}; run python -m modeling_dspark.data first")
     train_rows, held_out = split_holdout(rows)
-    dataset = build_dataset(train_rows, max_length=args.max_length).shuffle(seed=args.seed)
+    dataset = build_dataset(train_rows, max_length=args.max_length)
     markov = None if args.markov_head == "none" else args.markov_head
     vocab = {}
     if args.draft_vocab_size:
@@ -126,6 +131,18 @@ def main(argv: list[str] | None = None) -> int:
             drafter.load_state_dict(warm.state_dict())
         except RuntimeError as err:
             raise SystemExit(f"--init-from {args.init_from}: not the geometry of this command's drafter ({err})") from None
+    target_cache = None
+    epochs = args.max_steps * args.batch_size * args.grad_accum / max(len(dataset), 1)
+    if args.target_cache == "auto":
+        args.target_cache = str(Path(args.output_dir) / "target_cache") if epochs >= 2 else None
+    elif args.target_cache == "none":
+        args.target_cache = None
+    if args.target_cache:
+        from .target_cache import TargetFeatureCache
+
+        target_cache = TargetFeatureCache.open_or_build(args.target_cache, target, drafter.config.target_layer_ids, dataset["input_ids"])
+        dataset = dataset.add_column("cache_index", list(range(len(dataset))))
+    dataset = dataset.shuffle(seed=args.seed)
     out_dir = Path(args.output_dir)
     training_args = DSparkTrainingArguments(
         output_dir=str(out_dir),
@@ -154,8 +171,12 @@ def main(argv: list[str] | None = None) -> int:
         per_device_eval_batch_size=args.batch_size,
     )
     eval_dataset = build_dataset(held_out, max_length=args.max_length) if held_out and not args.no_eval else None
+    from .trainer import DSparkCollator
+
+    pad = getattr(target.generation_config, "pad_token_id", None) or 0
     trainer = DSparkTrainer(
-        model=drafter, args=training_args, target=target, train_dataset=dataset, eval_dataset=eval_dataset
+        model=drafter, args=training_args, target=target, train_dataset=dataset, eval_dataset=eval_dataset,
+        data_collator=DSparkCollator(pad, target_cache=target_cache),
     )
     last = get_last_checkpoint(str(out_dir)) if out_dir.is_dir() else None
     start = time.time()

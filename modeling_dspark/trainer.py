@@ -38,20 +38,34 @@ class DSparkTrainingArguments(TrainingArguments):
 
 
 class DSparkCollator:
-    """Right-pads ``input_ids`` / ``loss_mask`` and adds ``attention_mask``."""
+    """Right-pads ``input_ids`` / ``loss_mask`` and adds ``attention_mask``; with a
+    :class:`~modeling_dspark.target_cache.TargetFeatureCache`, rows that carry a ``cache_index`` also get the
+    target's cached ``target_hidden_states`` / ``target_last_hidden_states`` (zero-padded), so the trainer skips
+    the target's forward."""
 
-    def __init__(self, pad_token_id: int = 0):
+    def __init__(self, pad_token_id: int = 0, target_cache=None):
         self.pad_token_id = pad_token_id
+        self.target_cache = target_cache
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         width = max(len(r["input_ids"]) for r in rows)
         def pad(values, fill):
             return torch.tensor([list(v) + [fill] * (width - len(v)) for v in values])
-        return {
+        batch = {
             "input_ids": pad([r["input_ids"] for r in rows], self.pad_token_id),
             "loss_mask": pad([r["loss_mask"] for r in rows], 0),
             "attention_mask": pad([[1] * len(r["input_ids"]) for r in rows], 0),
         }
+        if self.target_cache is not None and all("cache_index" in r for r in rows):
+            cached = [self.target_cache[int(r["cache_index"])] for r in rows]
+            for key, part in (("target_hidden_states", 0), ("target_last_hidden_states", 1)):
+                out = torch.zeros(len(rows), width, cached[0][part].shape[-1], dtype=cached[0][part].dtype)
+                for i, (r, c) in enumerate(zip(rows, cached)):
+                    if c[part].shape[0] != len(r["input_ids"]):
+                        raise ValueError(f"target cache row {r['cache_index']} has {c[part].shape[0]} positions, the sequence {len(r['input_ids'])}")
+                    out[i, : c[part].shape[0]] = c[part]
+                batch[key] = out
+        return batch
 
 
 def expected_tau(accept_num: torch.Tensor, accept_den: torch.Tensor) -> float:

@@ -20,7 +20,7 @@ from modeling_dspark.loss import (
     sample_anchor_positions,
 )
 from modeling_dspark.markov_head import sample_categorical
-from test_generate_sampling import PROMPT, VOCAB, chi_square_pvalue, exact_distribution, peaked_target
+from test_generate_sampling import PROMPT, chi_square_pvalue, exact_distribution, peaked_target
 from tiny_models import tiny_drafter, tiny_target
 
 EVEN = torch.arange(0, 96, 2)  # half of a 96-token vocabulary: the target's argmax is often outside
@@ -79,16 +79,22 @@ def assert_greedy_lossless(target, drafter, ids, **kwargs):
     return drafter.last_stats
 
 
-def test_reduced_vocabulary_greedy_identical_with_rejections(monkeypatch):
-    target = tiny_target(initializer_range=0.2)
-    drafted = []
+@pytest.fixture
+def drafted(monkeypatch):
+    """The tokens of every block generate() drafts in the test."""
+    blocks = []
 
     def recording(*args, **kwargs):
         block = draft_block(*args, **kwargs)
-        drafted.append(block.tokens)
+        blocks.append(block.tokens)
         return block
 
     monkeypatch.setattr(candidate_generator, "draft_block", recording)
+    return blocks
+
+
+def test_reduced_vocabulary_greedy_identical_with_rejections(drafted):
+    target = tiny_target(initializer_range=0.2)
     accepted = rejected = outside_argmax = 0
     for seed in range(4):
         drafter = tiny_drafter(target, seed=seed, draft_vocab_ids=EVEN, truncation="fixed")
@@ -118,17 +124,9 @@ def test_oracle_inside_the_draft_vocabulary_accepts_there():
     assert sum(r.accepted for r in stats.rounds) > 0
 
 
-def test_reduced_vocabulary_sampling_matches_target(monkeypatch):
+def test_reduced_vocabulary_sampling_matches_target(drafted):
     target = peaked_target()
     drafter = tiny_drafter(target, seed=7, draft_vocab_ids=torch.tensor([0, 1, 3]))  # token 2 is never drafted
-    drafted = []
-
-    def recording(*args, **kwargs):
-        block = draft_block(*args, **kwargs)
-        drafted.append(block.tokens)
-        return block
-
-    monkeypatch.setattr(candidate_generator, "draft_block", recording)
     config = GenerationConfig(max_new_tokens=4, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, dspark_truncation="fixed")
     torch.manual_seed(0)
     samples, counts, rounds = 2500, {}, []
@@ -299,3 +297,25 @@ def test_block_sparse_attention_equals_the_dense_mask():
     dense = drafter(block_embeds=embeds, context_features=features, position_ids=positions, attention_mask=build_block_attention_mask(anchors, keep, 30, gamma))
     sparse = drafter(block_embeds=embeds, context_features=features, position_ids=positions, block_context_mask=build_block_context_mask(anchors, keep, 30))
     torch.testing.assert_close(sparse.last_hidden_state, dense.last_hidden_state, rtol=1e-5, atol=1e-5)
+
+
+def test_target_feature_cache_gives_the_online_loss(tmp_path):
+    from modeling_dspark.target_cache import TargetFeatureCache
+    from modeling_dspark.trainer import DSparkCollator, DSparkTrainer, DSparkTrainingArguments
+
+    target = tiny_target(initializer_range=0.2)
+    drafter = tiny_drafter(target, draft_vocab_ids=EVEN).float()
+    torch.manual_seed(0)
+    rows = [{"input_ids": torch.randint(1, 96, (n,)).tolist(), "loss_mask": [0] * 5 + [1] * (n - 5)} for n in (20, 13, 17)]
+    cache = TargetFeatureCache.open_or_build(tmp_path / "cache", target, drafter.config.target_layer_ids, [r["input_ids"] for r in rows], batch_size=2)
+    assert TargetFeatureCache.open_or_build(tmp_path / "cache", target, drafter.config.target_layer_ids, [r["input_ids"] for r in rows]).meta == cache.meta
+    online = DSparkCollator(0)(rows)
+    cached = DSparkCollator(0, target_cache=cache)([{**r, "cache_index": i} for i, r in enumerate(rows)])
+    args = DSparkTrainingArguments(output_dir=str(tmp_path / "run"), report_to=[], use_cpu=True, num_anchors=8)
+    trainer = DSparkTrainer(model=drafter, args=args, target=target)
+    anchors, keep = sample_anchor_positions(online["loss_mask"], 8, generator=torch.Generator().manual_seed(0))
+    losses = [trainer.compute_loss(drafter, {**batch, "anchor_positions": anchors, "block_keep_mask": keep}) for batch in (online, cached)]
+    assert "target_hidden_states" in cached and "target_hidden_states" not in online
+    torch.testing.assert_close(losses[1], losses[0], rtol=2e-2, atol=1e-3)  # the cache holds bf16 features
+    other = [r["input_ids"][:-1] for r in rows]
+    assert not cache.matches(target, drafter.config.target_layer_ids, __import__("modeling_dspark.target_cache", fromlist=["x"]).dataset_fingerprint(other))

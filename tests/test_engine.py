@@ -75,9 +75,9 @@ def test_batched_greedy_equals_plain_greedy_with_joins_and_leaves(scheduler, kin
     assert max(step["active"] for step in engine.step_log) >= 4  # the joiners overlapped the first requests
 
 
-def sample_engine_counts(samples=2000, per_batch=10, seed=0, **settings):
+def sample_engine_counts(samples=2000, per_batch=10, seed=0, draft_vocab_ids=None, **settings):
     target = peaked_target()
-    drafter = tiny_drafter(target, seed=7)
+    drafter = tiny_drafter(target, seed=7, **({} if draft_vocab_ids is None else {"draft_vocab_ids": draft_vocab_ids}))
     torch.manual_seed(seed)
     counts, verified, accepted = {}, 0, 0
     for _ in range(samples // per_batch):
@@ -97,6 +97,22 @@ def test_batched_sampling_matches_target(scheduler):
     if scheduler != "none":
         assert verified > 1000 and 0 < accepted < verified, "tokens under test must come from verified drafts"
     assert chi_square_pvalue(counts, exact_distribution(peaked_target()), sum(counts.values())) > 1e-3
+
+
+def test_reduced_draft_vocabulary_in_the_engine():
+    """Greedy rows equal plain greedy decoding and sampled rows follow the target with a draft vocabulary that
+    misses tokens the target writes (token 2 of 4 here, odd ids of 96 for greedy)."""
+    counts, verified, accepted = sample_engine_counts(draft_vocab_ids=torch.tensor([0, 1, 3]), **SETTINGS["fixed"])
+    assert verified > 1000 and 0 < accepted < verified
+    assert sum(c for k, c in counts.items() if 2 in k) > 0
+    assert chi_square_pvalue(counts, exact_distribution(peaked_target()), sum(counts.values())) > 1e-3
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target, draft_vocab_ids=torch.arange(0, 96, 2))
+    engine = DSparkEngine(target, drafter, scheduler="fixed", num_verify=3)
+    ps = prompts(96)
+    outs = engine.generate(ps, max_new_tokens=12)
+    assert outs == [plain_greedy(target, p, 12) for p in ps]
+    assert sum(r.verified for req in engine.finished.values() for r in req.stats.rounds) > 0
 
 
 def test_broken_acceptance_is_detected(monkeypatch):

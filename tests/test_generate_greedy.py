@@ -215,3 +215,16 @@ def test_static_cache_works():
     ref = target.generate(ids, do_sample=False, max_new_tokens=20)
     out = target.generate(ids, do_sample=False, max_new_tokens=20, assistant_model=drafter, cache_implementation="static")
     assert torch.equal(ref, out)
+
+
+def test_dspark_settings_as_generate_keywords_and_their_errors():
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    ids = torch.tensor([[1, 2, 3]])
+    out = target.generate(ids, assistant_model=drafter, max_new_tokens=9, do_sample=False, dspark_truncation="fixed", dspark_num_draft_tokens=2)
+    assert torch.equal(out, target.generate(ids, max_new_tokens=9, do_sample=False))
+    assert max(r.drafted for r in drafter.last_stats.rounds) == 2
+    with pytest.raises(ValueError, match=r"dspark_confidence_threshold .* in \[0, 1\]; got 5.0"):
+        target.generate(ids, assistant_model=drafter, max_new_tokens=5, dspark_confidence_threshold=5.0)
+    with pytest.raises(ValueError, match="num_beams=2 cannot be combined"):
+        target.generate(ids, assistant_model=drafter, max_new_tokens=5, num_beams=2)

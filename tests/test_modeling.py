@@ -89,8 +89,9 @@ def test_corrupted_checkpoint_is_a_clear_error(tmp_path):
         DSparkModel.from_pretrained(tmp_path)
 
 
-def test_trust_remote_code_in_a_fresh_process(tmp_path):
-    drafter = tiny_drafter(tiny_target())
+@pytest.mark.parametrize("draft_vocab", [False, True], ids=["full-vocabulary", "draft-vocabulary"])
+def test_trust_remote_code_in_a_fresh_process(tmp_path, draft_vocab):
+    drafter = tiny_drafter(tiny_target(), **({"draft_vocab_ids": torch.arange(0, 96, 3)} if draft_vocab else {}))
     drafter.save_pretrained(tmp_path / "drafter")
     script = textwrap.dedent(
         f"""
@@ -104,6 +105,8 @@ def test_trust_remote_code_in_a_fresh_process(tmp_path):
             pass
         model = AutoModel.from_pretrained({str(tmp_path / "drafter")!r}, trust_remote_code=True)
         assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        if model.config.draft_vocab_size is not None:
+            assert model.draft_token_ids.tolist() == list(range(0, 96, 3)), model.d2t
         print(type(model).__name__, sum(p.numel() for p in model.parameters()))
         """
     )
@@ -222,3 +225,19 @@ def test_deepspec_export_round_trip_is_exact(tmp_path):
             assert torch.equal(exported, drafter.mask_embedding.detach())
             assert torch.equal(torch.load(folder / "mask_embedding.pt"), drafter.mask_embedding.detach())
     assert isinstance(from_deepspec(folder), DSparkModel)
+
+
+@pytest.mark.parametrize(
+    "field,value,allowed",
+    [("block_size", "7", "an int"), ("target_layer_ids", 0, "a list of ints"), ("markov_rank", 7.5, "an int"),
+     ("confidence_head", "yes", "true or false"), ("draft_vocab_size", 3.0, "an int or null")],
+)  # fmt: skip
+def test_config_field_of_the_wrong_type_is_named(field, value, allowed, tmp_path):
+    with pytest.raises(ValueError, match=f"DSparkConfig.{field} must be {allowed}, got {value!r}"):
+        DSparkConfig(**{field: value})
+    # the same from a hand-edited config.json
+    tiny_drafter(tiny_target()).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ValueError, match=f"{field} must be {allowed}"):
+        DSparkModel.from_pretrained(tmp_path)
