@@ -32,9 +32,6 @@ def cmd_generate(args) -> int:
     from .benchmark import chat_input_ids
 
     drafter_path = Path(args.drafter) if args.drafter else SHIPPED_DRAFTER
-    if args.drafter and not drafter_path.is_dir():
-        print(f"error: drafter folder {drafter_path} does not exist", file=sys.stderr)
-        return 2
     torch.manual_seed(args.seed)
     dtype = resolve_dtype(args.dtype)
     dtype_name = dtype_label(dtype)
@@ -129,7 +126,24 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(args.module).main(rest)
     if rest:
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.func is cmd_generate:  # before anything slow is loaded
+        problem = generate_argument_problem(args)
+        if problem:
+            build_parser().error(problem)
     return args.func(args)
+
+
+def generate_argument_problem(args) -> str | None:
+    """What is wrong with ``dspark generate``'s arguments, in one line (None when nothing is)."""
+    if not args.max_new_tokens >= 1:
+        return f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"
+    if not args.temperature >= 0:  # also catches nan
+        return f"--temperature must be >= 0 (0 = greedy), got {args.temperature}"
+    if not 0 <= args.threshold <= 1:
+        return f"--threshold is a cumulative survival probability in [0, 1], got {args.threshold}"
+    if args.drafter and not Path(args.drafter).is_dir():
+        return f"--drafter {args.drafter} is not a folder"
+    return None
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ saved drafter holds only its own weights.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -330,7 +332,8 @@ class DSparkModel(DraftVocabMixin, DSparkPreTrainedModel):
 
         if is_deepspec_folder(pretrained_model_name_or_path):
             return from_deepspec(pretrained_model_name_or_path, **kwargs)
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        with weights_named_on_error(pretrained_model_name_or_path):
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     # ----------------------------------------------------------------------------------------------- target
     @classmethod
@@ -351,6 +354,19 @@ class DSparkModel(DraftVocabMixin, DSparkPreTrainedModel):
             problems.append(f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary")
         if problems:
             raise ValueError(f"DSpark drafter is incompatible with {type(target).__name__}: " + "; ".join(problems))
+
+
+@contextlib.contextmanager
+def weights_named_on_error(folder_or_repo):
+    """safetensors' own errors ("incomplete metadata", "header too large") do not say which file; say it."""
+    try:
+        yield
+    except Exception as err:
+        if type(err).__name__ != "SafetensorError":
+            raise
+        files = sorted(str(f) for f in Path(folder_or_repo).glob("*.safetensors")) if Path(folder_or_repo).is_dir() else []
+        where = ", ".join(files) or f"the safetensors weights of {folder_or_repo}"
+        raise OSError(f"could not read {where}: {err} (the file is truncated or corrupt; save or download it again)") from err
 
 
 def target_geometry(target: PreTrainedModel) -> dict:

@@ -21,7 +21,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from .configuration_eagle3 import Eagle3DrafterConfig
 from .draft_vocab import DraftVocabMixin
-from .modeling_dspark import apply_rotary, build_from_target, target_compatibility_problems
+from .modeling_dspark import apply_rotary, build_from_target, target_compatibility_problems, weights_named_on_error
 
 __all__ = ["Eagle3DrafterModel", "attend"]
 
@@ -135,6 +135,11 @@ class Eagle3DrafterModel(DraftVocabMixin, PreTrainedModel):
             mask = torch.ones(q_len, total, dtype=torch.bool, device=key.device).tril(total - q_len)[None, None]
         attn = attend(query, key, value, mask, self.self_attn.scaling)
         return self.finish(hidden, self.self_attn.output(attn))
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        with weights_named_on_error(pretrained_model_name_or_path):
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     @classmethod
     def from_target(cls, target: PreTrainedModel, **config_overrides) -> "Eagle3DrafterModel":

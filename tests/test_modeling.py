@@ -85,7 +85,7 @@ def test_corrupted_checkpoint_is_a_clear_error(tmp_path):
     drafter.save_pretrained(tmp_path)
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    with pytest.raises(Exception, match="(?i)safetensors|header|deserializ|incomplete|invalid"):
+    with pytest.raises(OSError, match=f"could not read {weights}: .*truncated or corrupt"):
         DSparkModel.from_pretrained(tmp_path)
 
 

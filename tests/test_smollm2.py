@@ -61,6 +61,21 @@ def test_cli_generate_reports_tau_and_speedup(capsys):
     assert "tau" in out and "speed-up" in out and "tok/s" in out and "dtype: " in out
 
 
-def test_cli_missing_drafter_folder(capsys, tmp_path):
-    assert cli_main(["generate", "hi", "--drafter", str(tmp_path / "nope"), "--max-new-tokens", "2"]) == 2
-    assert "does not exist" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "argv,message",
+    [(["--drafter", "NOPE"], "is not a folder"), (["--temperature", "-1"], "--temperature must be >= 0"),
+     (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 1"), (["--threshold", "5"], "--threshold is a")],
+)  # fmt: skip
+def test_cli_bad_arguments_exit_2_before_loading(capsys, tmp_path, monkeypatch, argv, message):
+    import modeling_dspark
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target was loaded before the arguments were checked")
+
+    monkeypatch.setattr(modeling_dspark, "load_target", no_loading)
+    argv = [str(tmp_path / a) if a == "NOPE" else a for a in argv]
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["generate", "hi", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1]
