@@ -49,9 +49,17 @@ from .scheduler import (
 from .stats import DSparkGenerationStats, DSparkRound
 from .verification import process_logits, sample_tokens, verify_drafts
 
-__all__ = ["SCHEDULERS", "DSparkEngine", "EngineRequest"]
+__all__ = ["SCHEDULERS", "DSparkEngine", "EngineRequest", "uses_sliding_window"]
 
 SCHEDULERS = ("none", "fixed", "threshold", "algorithm1", "async")
+
+
+def uses_sliding_window(target) -> bool:
+    """Whether ``target`` has sliding-window layers, which the engine's ragged cache cannot serve (the window would
+    count its rolled-back columns)."""
+    text = target.config.get_text_config()
+    layer_types = getattr(text, "layer_types", None) or []
+    return bool(getattr(text, "sliding_window", None)) and (not layer_types or "sliding_attention" in layer_types)
 
 
 def _measured_on(target, drafter) -> tuple:
@@ -123,11 +131,9 @@ class DSparkEngine:
             raise ValueError(f"scheduler {scheduler!r} needs a drafter")
         if drafter is not None and getattr(drafter.config, "model_type", None) != "dspark":
             raise ValueError("DSparkEngine drafts with DSpark (or DFlash-as-DSpark) drafters only")
-        text = target.config.get_text_config()
-        layer_types = getattr(text, "layer_types", None) or []
-        if getattr(text, "sliding_window", None) and (not layer_types or "sliding_attention" in layer_types):
+        if uses_sliding_window(target):
             raise ValueError(
-                f"DSparkEngine supports full-attention targets only; {text.model_type} uses sliding-window attention, "
+                f"DSparkEngine supports full-attention targets only; {target.config.get_text_config().model_type} uses sliding-window attention, "
                 "whose window would count the engine's rolled-back cache columns. Use generate(assistant_model=...) "
                 "at batch size 1."
             )

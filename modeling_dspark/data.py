@@ -82,13 +82,6 @@ def read_responses(path: str | Path) -> list[dict]:
     return rows
 
 
-def _continuous_batching_ok(target) -> bool:
-    """The serving engine's ragged cache needs full attention (a sliding window would count rolled-back columns)."""
-    text = target.config.get_text_config()
-    layer_types = getattr(text, "layer_types", None) or []
-    return not (getattr(text, "sliding_window", None) and (not layer_types or "sliding_attention" in layer_types))
-
-
 @torch.no_grad()
 def regenerate_responses(
     target,
@@ -116,7 +109,9 @@ def regenerate_responses(
     if backend not in ("auto", "engine", "generate"):
         raise ValueError(f"backend must be auto, engine or generate, got {backend!r}")
     if backend == "auto":
-        backend = "engine" if _continuous_batching_ok(target) else "generate"
+        from generation.engine import uses_sliding_window
+
+        backend = "generate" if uses_sliding_window(target) else "engine"
     if backend == "engine" and (sampling.get("top_k") or 0) > 0:
         raise ValueError("the engine samples with temperature and top-p only; pass top_k=0 or backend='generate'")
     out_path = Path(out_path)

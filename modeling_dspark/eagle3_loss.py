@@ -77,9 +77,7 @@ def compute_eagle3_loss(
 
     weights = eval_mask.float() * cfg.step_loss_decay ** torch.arange(steps, device=input_ids.device, dtype=torch.float32)
     batch_index = torch.arange(bsz, device=input_ids.device)[:, None].expand_as(anchors)
-    needed = torch.zeros(bsz, seq_len, dtype=torch.bool, device=input_ids.device)
-    needed[batch_index[..., None].expand_as(logit_index)[eval_mask], logit_index[eval_mask]] = True
-    target = target_distribution(drafter, target_last_hidden, lm_head, needed)
+    target = target_distribution(drafter, target_last_hidden, lm_head, logit_index, eval_mask)
     chain_k, chain_v, drafts, targets = [], [], [], []
     ce_num = l1_num = hidden.new_zeros((), dtype=torch.float32)
     accept = []

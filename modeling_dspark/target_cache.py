@@ -19,7 +19,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["TargetFeatureCache", "dataset_fingerprint"]
+__all__ = ["TargetFeatureCache", "dataset_fingerprint", "target_features"]
+
+
+@torch.no_grad()
+def target_features(target, layer_ids, input_ids, attention_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen target's context features of ``layer_ids`` (HF tuple: index i + 1 is layer i's output) and its
+    final (post-norm) hidden states, for a batch. ``get_decoder()`` rather than ``.model``: a PEFT-wrapped target
+    forwards it to its LoRA-carrying decoder."""
+    out = target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1), out.last_hidden_state
 
 
 def dataset_fingerprint(input_ids) -> str:
@@ -87,15 +96,12 @@ class TargetFeatureCache:
         rows = np.memmap(folder / "features.bin", dtype=np.uint16, mode="w+", shape=(max(int(offsets[-1]), 1), feature_width + hidden_width))
         order = sorted(range(len(input_ids)), key=lambda i: lengths[i])
         pad = getattr(target.generation_config, "pad_token_id", None) or 0
-        decoder = target.get_decoder()
         for start in tqdm(range(0, len(order), batch_size), desc="target feature cache", unit="batch"):
             batch = order[start : start + batch_size]
             width = max(lengths[i] for i in batch)
             ids = torch.tensor([list(input_ids[i]) + [pad] * (width - lengths[i]) for i in batch], device=target.device)
             mask = (torch.arange(width, device=target.device)[None] < torch.tensor([lengths[i] for i in batch], device=target.device)[:, None]).long()
-            out = decoder(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-            both = torch.cat([torch.cat([out.hidden_states[j + 1] for j in layer_ids], -1), out.last_hidden_state], -1)
-            both = both.to(torch.bfloat16).cpu()
+            both = torch.cat(target_features(target, layer_ids, ids, mask), -1).to(torch.bfloat16).cpu()
             for row, i in enumerate(batch):
                 rows[offsets[i] : offsets[i + 1]] = both[row, : lengths[i]].view(torch.uint16).numpy()
         rows.flush()

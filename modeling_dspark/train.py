@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from . import DSparkModel, Eagle3DrafterModel, load_target
     from .targets import resolve_dtype
-    from .trainer import DSparkTrainer, DSparkTrainingArguments
+    from .trainer import DSparkCollator, DSparkTrainer, DSparkTrainingArguments
 
     args = build_arg_parser().parse_args(argv)
     torch.manual_seed(args.seed)
@@ -171,8 +171,6 @@ def main(argv: list[str] | None = None) -> int:
         per_device_eval_batch_size=args.batch_size,
     )
     eval_dataset = build_dataset(held_out, max_length=args.max_length) if held_out and not args.no_eval else None
-    from .trainer import DSparkCollator
-
     pad = getattr(target.generation_config, "pad_token_id", None) or 0
     trainer = DSparkTrainer(
         model=drafter, args=training_args, target=target, train_dataset=dataset, eval_dataset=eval_dataset,

@@ -17,6 +17,7 @@ from transformers import Trainer, TrainingArguments
 
 from .loss import sample_anchor_positions
 from .metrics import expected_tau_from_sums
+from .target_cache import target_features
 
 __all__ = ["DSparkCollator", "DSparkTrainer", "DSparkTrainingArguments", "expected_tau"]
 
@@ -91,14 +92,10 @@ class DSparkTrainer(Trainer):
         self._eval_prefix: str | None = None  # set while evaluate() runs
         self.predicted_positions = 0  # supervised block slots trained on (the training budget's unit)
 
-    @torch.no_grad()
     def target_features(self, input_ids, attention_mask):
         """Context features of the drafter's layers and the target's final hidden states, frozen."""
         layers = self.accelerator.unwrap_model(self.model).config.target_layer_ids
-        # get_decoder() rather than .model: a PEFT-wrapped target forwards it to its (LoRA-carrying) decoder
-        out = self.target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
-        hidden = out.hidden_states
-        return torch.cat([hidden[i + 1] for i in layers], dim=-1), out.last_hidden_state
+        return target_features(self.target, layers, input_ids, attention_mask)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
