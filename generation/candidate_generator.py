@@ -19,6 +19,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .drafting import draft_block
+from .hybrid import HybridChooser, anchored_survival, ngram_continuation, one_hot_logits
 from .stats import DSparkGenerationStats, DSparkRound
 
 __all__ = ["DSparkCandidateGenerator", "HiddenStateCandidateGenerator", "check_assisted_inputs"]
@@ -52,10 +53,16 @@ class HiddenStateCandidateGenerator(CandidateGenerator):
 
     requires_model_outputs: bool = True
     kind = "DSpark"
+    supports_hybrid = False  # prompt_lookup_num_tokens together with the drafter
 
     def __init__(self, *, target, drafter, generation_config, input_ids, model_kwargs=None, logits_processor=None):
         check_assisted_inputs(input_ids, model_kwargs, kind=self.kind)
         drafter.check_compatible(target)
+        if getattr(generation_config, "prompt_lookup_num_tokens", None) is not None and not self.supports_hybrid:
+            raise ValueError(
+                f"prompt_lookup_num_tokens cannot be combined with an {self.kind} assistant (hybrid n-gram drafting is "
+                "built for DSpark drafters); pass one or the other"
+            )
         if drafter.dtype != target.dtype:
             warnings.warn(
                 f"the drafter runs in {drafter.dtype} and the target in {target.dtype}: lossless either way, but on a CPU "
@@ -107,7 +114,14 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
     corrected by measured round times (`generation.depth_planner`); after drafting, Algorithm 1 keeps the
     prefix whose ``tau / (T_draft + T_verify)`` is best, walking slot by slot and stopping at the first slot that
     does not improve it (so the cut at slot k reads survival up to k only). ``dspark_cost_table`` /
-    ``dspark_draft_cost`` pass the tables instead of profiling them."""
+    ``dspark_draft_cost`` pass the tables instead of profiling them.
+
+    ``prompt_lookup_num_tokens`` (with ``max_matching_ngram_size``, default 2, as in Transformers) turns on hybrid
+    drafting (`generation.hybrid`): each round verifies either the prompt-lookup continuation or the DSpark block,
+    whichever the same cost tables price higher on what earlier rounds showed; an n-gram round skips the drafter
+    (its context catches up on the next DSpark round). ``drafter.last_stats`` records each round's ``proposal``."""
+
+    supports_hybrid = True
 
     def __init__(
         self,
@@ -133,14 +147,30 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
             raise ValueError(f"dspark_truncation must be 'fixed', 'threshold' or 'cost', got {self.truncation!r}")
         if self.truncation == "threshold" and self.threshold > 0 and drafter.confidence_head is None:
             raise ValueError("confidence-threshold truncation needs a drafter with a confidence head")
+        if self.truncation == "cost" and drafter.confidence_head is None:
+            raise ValueError("cost truncation needs a drafter with a confidence head (it plans from survival)")
+        lookup = getattr(generation_config, "prompt_lookup_num_tokens", None)
+        self.hybrid = None
         self.depth_planner = None
-        if self.truncation == "cost":
-            if drafter.confidence_head is None:
-                raise ValueError("cost truncation needs a drafter with a confidence head (it plans from survival)")
+        if self.truncation == "cost" or lookup is not None:
             from .depth_planner import generate_planner
 
-            self.depth_planner, self.cost_table = generate_planner(target, drafter, generation_config)
-            self.survival_estimate: list[float] | None = None
+            max_ngram = getattr(generation_config, "max_matching_ngram_size", None)
+            max_ngram = 2 if max_ngram is None else max_ngram  # Transformers' prompt-lookup default
+            if lookup is not None and (int(lookup) != lookup or lookup < 1 or int(max_ngram) != max_ngram or max_ngram < 1):
+                raise ValueError(
+                    f"prompt_lookup_num_tokens and max_matching_ngram_size must be positive integers, got {lookup} and {max_ngram}"
+                )
+            planner, self.cost_table = generate_planner(target, drafter, generation_config)
+            if self.truncation == "cost":
+                self.depth_planner = planner
+            if lookup is not None:
+                self.hybrid = HybridChooser(
+                    self.cost_table, planner.draft_cost, max_ngram=int(max_ngram), num_ngram_tokens=int(lookup),
+                    scale=lambda depth: planner.scale(1, depth),
+                )  # fmt: skip
+            self._planner = planner  # the measured round times correct the cost tables of both
+        self.survival_estimate: list[float] | None = None  # moving average of the block's survival per slot
         self._unseen_features = None  # target features of tokens the drafter has not read (rounds without drafting)
         self._round_timing = None  # (start, depth, verified) of the round in flight, for the measured-cost ratio
 
@@ -159,8 +189,9 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
         start = time.perf_counter()
         # Room left for drafts plus the bonus token. When it is gone, this is the last round, so the drafter's
         # context does not need to be brought up to date.
-        max_tokens = min(self.num_draft_tokens, self.max_length - input_ids.shape[1] - 1)
-        if max_tokens <= 0:
+        room = self.max_length - input_ids.shape[1] - 1
+        max_tokens = min(self.num_draft_tokens, room)
+        if max_tokens <= 0 and (self.hybrid is None or room <= 0):
             return input_ids, None
         if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
             raise ValueError("DSpark drafting needs the target's hidden states of the last forward")
@@ -178,15 +209,27 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
                 f"for {features.shape[1]}. Do not pass a pre-filled cache to generate() with a DSpark assistant."
             )
         features = features[:, :num_new]
-        if self.depth_planner is not None:
+        depth = max_tokens
+        if self.depth_planner is not None and depth > 0:
             depth = min(self.depth_planner.plan([self.survival_estimate]), max_tokens)
+        ngram = None
+        if self.hybrid is not None:
+            proposal = ngram_continuation(
+                input_ids[0], self.hybrid.max_ngram, min(self.hybrid.num_ngram_tokens, room), self.eos_token_ids
+            )
+            ngram = self.hybrid.ngram_option(proposal)
+            if self.hybrid.skip_drafter(ngram, depth, self.survival_estimate):
+                self._keep_unseen(features)
+                if self.depth_planner is not None:
+                    self.depth_planner.drafted(0)
+                return self._ngram_round(input_ids, proposal, ngram.length, start, drafted=0, depth=0)
+        if self.depth_planner is not None:
             self.depth_planner.drafted(depth)
-            if depth == 0:  # a plain round: keep the features for the next drafter call
-                self._unseen_features = features if self._unseen_features is None else torch.cat([self._unseen_features, features], 1)
-                self._pending_round = DSparkRound(drafted=0, verified=0, draft_seconds=time.perf_counter() - start)
-                self._round_timing = (start, 0, 0)
-                return input_ids, None
-            max_tokens = depth
+        if depth == 0:  # a plain round: keep the features for the next drafter call
+            self._keep_unseen(features)
+            self._pending_round = DSparkRound(drafted=0, verified=0, proposal="plain", draft_seconds=time.perf_counter() - start)
+            self._round_timing = (start, 0, 0)
+            return input_ids, None
         if self._unseen_features is not None:
             features, self._unseen_features = torch.cat([self._unseen_features, features], 1), None
         device = self.drafter.device
@@ -203,7 +246,7 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
             out.last_hidden_state,
             self.lm_head,
             anchor,
-            num_slots=max_tokens,
+            num_slots=depth,
             greedy=not self.do_sample,
             logits_processor=self.logits_processor,
             prefix_ids=input_ids,
@@ -212,34 +255,75 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
         )
         drafted = verified = int(block.lengths[0])
         confidence = block.confidence_logits[0] if block.confidence_logits is not None else None
-        if self.depth_planner is not None and drafted:
-            verified = self._cost_cut(confidence[:drafted], depth)
+        survival = None
+        if confidence is not None and confidence.numel() and (self.depth_planner is not None or self.hybrid is not None):
+            survival = torch.cumprod(self.drafter.calibrated_confidence(confidence.float()[None]).double(), dim=-1)[0].tolist()
+        if ngram is not None and self.hybrid.prefer_ngram(ngram, depth, self._choice_survival(survival, depth)):
+            if survival is not None and drafted:  # this round's survival informs later rounds only
+                self.survival_estimate = self._planner.update_estimates([self.survival_estimate], [survival[:drafted]])[0]
+            return self._ngram_round(input_ids, proposal, ngram.length, start, drafted=drafted, depth=depth)
+        if self.hybrid is not None:
+            self.hybrid.record_choice("dspark")
+        if survival is not None and drafted:
+            self.survival_estimate = self._planner.update_estimates([self.survival_estimate], [survival[:drafted]])[0]
+            if self.depth_planner is not None:
+                verified = self._cost_cut(survival[:drafted], depth)
         self._pending_round = DSparkRound(
             drafted=drafted,
             verified=verified,
             confidence_logits=confidence[:verified].tolist() if confidence is not None else [],
             draft_seconds=time.perf_counter() - start,
         )
-        if self.depth_planner is not None:
+        if self.depth_planner is not None or self.hybrid is not None:
             self._round_timing = (start, depth, verified)
         if verified == 0:
             return input_ids, None
         tokens = block.tokens[:, :verified].to(input_ids.device)
         return torch.cat([input_ids, tokens], dim=-1), block.logits[:, :verified]
 
-    def _cost_cut(self, confidence_logits: torch.Tensor, depth: int) -> int:
-        """Algorithm 1 on this row's drafted slots (early stop: slot k is cut on survival up to k); the estimate
-        the next round's depth is planned from is updated with this round's survival."""
+    def _choice_survival(self, survival: list[float] | None, depth: int) -> list[float]:
+        """What stage 2 of the hybrid choice may read of the drafted block: its calibrated ``c_1`` (the anchor's),
+        never a later slot, whose confidence reads a token sampled in this round (the Appendix A bias)."""
+        if survival is None:  # no confidence head: earlier rounds' measured acceptance
+            return list(self.survival_estimate or [1.0] * depth)
+        return anchored_survival(survival[0], self.survival_estimate, depth)
+
+    def _ngram_round(self, input_ids, proposal, length: int, start: float, *, drafted: int, depth: int):
+        """Verify the first ``length`` tokens of the n-gram proposal (0: a plain round) as a point mass; ``depth``:
+        slots the drafter ran for this round (0: it did not run)."""
+        self.hybrid.record_choice("ngram" if length else "plain")
+        self._pending_round = DSparkRound(
+            drafted=drafted, verified=length, proposal="ngram" if length else "plain", match_length=proposal.match_length,
+            draft_seconds=time.perf_counter() - start,
+        )  # fmt: skip
+        self._round_timing = (start, depth, length)
+        if length == 0:
+            return input_ids, None
+        tokens = proposal.tokens[None, :length].to(input_ids.device)
+        return torch.cat([input_ids, tokens], dim=-1), one_hot_logits(tokens, self.lm_head.weight.shape[0])
+
+    def _keep_unseen(self, features: torch.Tensor) -> None:
+        """A round without a drafter call: its context features wait for the next one."""
+        self._unseen_features = features if self._unseen_features is None else torch.cat([self._unseen_features, features], 1)
+
+    def _cost_cut(self, survival: list[float], depth: int) -> int:
+        """Algorithm 1 on this row's drafted slots (early stop: slot k is cut on survival up to k)."""
         from .scheduler import schedule_algorithm1
 
-        survival = torch.cumprod(self.drafter.calibrated_confidence(confidence_logits.float()[None]).double(), dim=-1)[0].tolist()
-        self.survival_estimate = self.depth_planner.update_estimates([self.survival_estimate], [survival])[0]
         spent = self.depth_planner.draft_cost.draft_seconds(1, depth)
         return schedule_algorithm1([survival], self.cost_table, draft_seconds=spent)[0]
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         if self._round_timing is not None:  # the round's wall time: drafting, verification and Transformers' own work
             start, depth, verified = self._round_timing
-            self.depth_planner.record_round_time(1, depth, [verified], time.perf_counter() - start)
+            self._planner.record_round_time(1, depth, [verified], time.perf_counter() - start)
             self._round_timing = None
+        round_ = self._pending_round
+        if self.hybrid is not None and round_ is not None:
+            if round_.proposal == "ngram":
+                self.hybrid.ngram.record(round_.match_length, round_.verified, int(num_matches))
+            elif round_.proposal == "dspark" and round_.verified and self.drafter.confidence_head is None:
+                # no calibrated survival to read: the measured acceptance of this block stands in for it
+                measured = [1.0 if j < int(num_matches) else 0.0 for j in range(round_.verified)]
+                self.survival_estimate = self._planner.update_estimates([self.survival_estimate], [measured])[0]
         super().update_candidate_strategy(input_ids, scores, num_matches)

@@ -50,6 +50,10 @@ def _methods(drafters: dict, prompt_lookup_num_tokens: int) -> dict[str, dict]:
         if getattr(dspark, "confidence_head", None) is not None:  # hardware-aware truncation (profiles once, cached)
             methods["dspark greedy, cost"] = {"kwargs": {"do_sample": False, "assistant_model": dspark}, "config": {"dspark_truncation": "cost"},
                                               "baseline": "plain greedy", "drafter": "dspark"}  # fmt: skip
+        # hybrid: the prompt-lookup continuation or the DSpark block, chosen each round (generation.hybrid)
+        lookup = {"assistant_model": dspark, "prompt_lookup_num_tokens": prompt_lookup_num_tokens}
+        methods["hybrid greedy"] = {"kwargs": {"do_sample": False, **lookup}, "baseline": "plain greedy", "drafter": "dspark"}
+        methods["hybrid sampled"] = {"kwargs": {**sampled, **lookup}, "baseline": "plain sampled", "drafter": "dspark"}
     return methods
 
 
@@ -73,8 +77,8 @@ def speed_benchmark(
     warm = next(iter(prompts.values()))[0]
     for spec in methods.values():  # first calls pay for allocations and lazy imports
         target.generate(warm, **{**common, **spec["kwargs"], "max_new_tokens": 8})
-    # raw[method][domain][run] = [tokens, seconds, rounds, draft_seconds]
-    raw = {m: {d: [[0, 0.0, 0, 0.0] for _ in range(runs)] for d in domains} for m in methods}
+    # raw[method][domain][run] = [tokens, seconds, rounds, draft_seconds, n-gram rounds]
+    raw = {m: {d: [[0, 0.0, 0, 0.0, 0] for _ in range(runs)] for d in domains} for m in methods}
     total = runs * sum(len(p) for p in prompts.values()) * len(methods)
     bar = tqdm(total=total, desc="timing generate()", disable=not progress)
     for run in range(runs):
@@ -92,6 +96,7 @@ def speed_benchmark(
                         stats = drafters[spec["drafter"]].last_stats
                         cell[2] += stats.num_rounds
                         cell[3] += sum(r.draft_seconds for r in stats.rounds)
+                        cell[4] += sum(r.proposal == "ngram" for r in stats.rounds)
                     bar.update()
     bar.close()
     table = {}
@@ -110,6 +115,7 @@ def speed_benchmark(
                 row.update(
                     rounds=rounds, tokens_per_round=sum(c[0] for c in raw[m][d]) / max(rounds, 1),
                     draft_ms_per_round=1000 * draft / max(rounds, 1), verify_ms_per_round=1000 * (wall - draft) / max(rounds, 1),
+                    ngram_round_share=sum(c[4] for c in raw[m][d]) / max(rounds, 1),
                 )  # fmt: skip
             table[m][d] = row
     return {"domains": domains, "num_prompts": num_prompts, "runs": runs, "max_new_tokens": max_new_tokens, "methods": table, "raw": raw}
@@ -139,12 +145,18 @@ def write_speed_report(result: dict, out_dir: str | Path, command: str = "") -> 
             cells.append(f"{r['tokens_per_s']:.1f} ({r['tokens_per_s_min_max'][0]:.1f}-{r['tokens_per_s_min_max'][1]:.1f})")
             cells.append(f"{r['ratio']:.2f}x ({r['ratio_min_max'][0]:.2f}-{r['ratio_min_max'][1]:.2f})")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    lines.append("\n## Per round (drafters)\n\n| method | domain | tokens / round | draft ms / round | verify ms / round |\n|---|---|---|---|---|")
+    lines.append(
+        "\n## Per round (drafters)\n\nn-gram share: rounds that verified the prompt-lookup continuation rather than the DSpark "
+        "block (hybrid rows).\n\n| method | domain | tokens / round | draft ms / round | verify ms / round | n-gram share |\n|---|---|---|---|---|---|"
+    )
     for m, per in table.items():
         for d in domains:
             r = per[d]
             if "rounds" in r:
-                lines.append(f"| {m} | {d} | {r['tokens_per_round']:.2f} | {r['draft_ms_per_round']:.1f} | {r['verify_ms_per_round']:.1f} |")
+                share = f"{r['ngram_round_share']:.0%}" if m.startswith("hybrid") else "-"
+                lines.append(
+                    f"| {m} | {d} | {r['tokens_per_round']:.2f} | {r['draft_ms_per_round']:.1f} | {r['verify_ms_per_round']:.1f} | {share} |"
+                )
     lines.append(
         "\nTransformers' built-in DFlash path (`speculation_type=\"dflash\"`) is not in the table: it runs only its own "
         "`MuseGlimmerAssistantModel` (with a `mask_token_id`) and reads block slot k as the prediction of x_{p+k}, dropping "

@@ -14,6 +14,8 @@ class DSparkRound:
     accepted: int = 0  # verified tokens the target accepted (the bonus token is not counted here)
     confidence_logits: list[float] = field(default_factory=list)  # raw c_k logits of the verified slots
     draft_seconds: float = 0.0  # wall time of the drafter's work this round
+    proposal: str = "dspark"  # what was verified: "dspark" (a drafted block), "ngram" (prompt lookup), "plain"
+    match_length: int = 0  # n-gram rounds: length of the matched suffix n-gram
 
 
 @dataclass
@@ -43,6 +45,11 @@ class DSparkGenerationStats:
     def mean_verified(self) -> float:
         return sum(r.verified for r in self.rounds) / len(self.rounds) if self.rounds else float("nan")
 
+    def proposal_share(self) -> dict[str, float]:
+        """Share of rounds that verified each kind of proposal (hybrid drafting)."""
+        kinds = [r.proposal for r in self.rounds]
+        return {kind: kinds.count(kind) / len(kinds) for kind in sorted(set(kinds))}
+
     def as_dict(self) -> dict:
         return {
             "num_rounds": self.num_rounds,
@@ -52,6 +59,7 @@ class DSparkGenerationStats:
             "drafted": [r.drafted for r in self.rounds],
             "verified": [r.verified for r in self.rounds],
             "accepted": [r.accepted for r in self.rounds],
+            "proposal": [r.proposal for r in self.rounds],
         }
 
     def __repr__(self) -> str:

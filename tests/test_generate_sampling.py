@@ -24,11 +24,16 @@ def peaked_target():
     return tiny_target(vocab_size=VOCAB, initializer_range=0.5, seed=3, num_hidden_layers=2)
 
 
-def exact_distribution(target) -> dict[tuple, float]:
+def exact_distribution(target, top_k: int | None = None) -> dict[tuple, float]:
+    """Probability of every continuation; ``top_k`` as Transformers' ``TopKLogitsWarper`` at temperature 1."""
     seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW)))
     full = torch.cat([PROMPT.expand(len(seqs), -1), seqs], dim=1)
     with torch.no_grad():
-        logp = torch.log_softmax(target(full).logits.float(), dim=-1)
+        logits = target(full).logits.float()
+        if top_k is not None:
+            kth = logits.topk(top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        logp = torch.log_softmax(logits, dim=-1)
     start = PROMPT.shape[1] - 1
     per_token = logp[:, start : start + NEW].gather(-1, seqs[..., None]).squeeze(-1)
     probs = per_token.sum(-1).exp()
@@ -63,8 +68,8 @@ def sample_counts(target, drafter, config, samples=SAMPLES, seed=0):
     return counts, drafted_rounds, accepted, lengths
 
 
-def config(**dspark):
-    return GenerationConfig(max_new_tokens=NEW, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, **dspark)
+def config(**settings):
+    return GenerationConfig(**{"max_new_tokens": NEW, "do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "pad_token_id": 0, **settings})
 
 
 def token_dependent_threshold(drafter) -> float:

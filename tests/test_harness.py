@@ -86,13 +86,18 @@ def test_speed_benchmark_end_to_end_on_tiny_models(tmp_path):
         runs=2, max_new_tokens=10, eval_dir=eval_dir, progress=False,
     )  # fmt: skip
     table = result["methods"]
-    assert set(table) == {"plain greedy", "plain sampled", "prompt lookup", "dspark greedy", "eagle3 greedy", "dspark sampled", "dspark greedy, cost"}
+    assert set(table) == {
+        "plain greedy", "plain sampled", "prompt lookup", "dspark greedy", "eagle3 greedy", "dspark sampled", "dspark greedy, cost",
+        "hybrid greedy", "hybrid sampled",
+    }  # fmt: skip
     assert table["plain greedy"]["math"]["ratio"] == 1.0
     assert truncations.count("cost") == 1 + 2 * 2  # the warm-up, then 2 runs x 2 domains really used it
-    for m in ("dspark greedy", "eagle3 greedy"):
+    assert 0.0 <= table["hybrid greedy"]["math"]["ngram_round_share"] <= 1.0
+    for m in ("dspark greedy", "eagle3 greedy", "hybrid greedy"):
         row = table[m]["math"]
         assert row["rounds"] > 0 and row["draft_ms_per_round"] > 0 and row["verify_ms_per_round"] > 0
         assert [c[0] for c in result["raw"][m]["math"]] == [10, 10]  # every run generated the full budget
     write_speed_report(result, tmp_path / "out", "test")
-    assert "| dspark greedy |" in (tmp_path / "out" / "speed.md").read_text()
+    report = (tmp_path / "out" / "speed.md").read_text()
+    assert "| dspark greedy |" in report and "| hybrid greedy | math |" in report
     assert (tmp_path / "out" / "speed.png").stat().st_size > 0
