@@ -59,6 +59,11 @@ def cmd_generate(args) -> int:
     target.generate(input_ids, max_new_tokens=8, pad_token_id=tokenizer.eos_token_id)
     warm_up = GenerationConfig(**{**common, "max_new_tokens": 8}, **dspark_settings)
     target.generate(input_ids, generation_config=warm_up, assistant_model=drafter)
+    hybrid_config = None
+    if args.prompt_lookup:  # also profiles this machine's costs once (cached on disk) before anything is timed
+        hybrid_config = GenerationConfig(**common, **dspark_settings, prompt_lookup_num_tokens=args.prompt_lookup)
+        warm_up.prompt_lookup_num_tokens = args.prompt_lookup
+        target.generate(input_ids, generation_config=warm_up, assistant_model=drafter)
     plain_out, plain_s = _timed_generate(target, input_ids, generation_config=plain_config)
     ds_out, ds_s = _timed_generate(target, input_ids, generation_config=dspark_config, assistant_model=drafter)
     stats = drafter.last_stats
@@ -76,7 +81,14 @@ def cmd_generate(args) -> int:
         print(f"cost truncation: the drafter ran in {drafting} of {stats.num_rounds} rounds (the rest decoded plainly)")
     print(f"plain generate():  {n_plain} tokens in {plain_s:.2f} s = {plain_tps:.1f} tok/s")
     print(f"DSpark generate(): {n_ds} tokens in {ds_s:.2f} s = {ds_tps:.1f} tok/s")
-    print(f"speed-up: {ds_tps / plain_tps:.2f}x ({dtype_name}, {'greedy' if args.temperature == 0 else f'T={args.temperature}'})")
+    mode = "greedy" if args.temperature == 0 else f"T={args.temperature}"
+    print(f"speed-up: {ds_tps / plain_tps:.2f}x ({dtype_name}, {mode})")
+    if hybrid_config is not None:
+        hy_out, hy_s = _timed_generate(target, input_ids, generation_config=hybrid_config, assistant_model=drafter)
+        hy_stats, n_hy = drafter.last_stats, hy_out.shape[1] - input_ids.shape[1]
+        share = ", ".join(f"{kind} {part:.0%}" for kind, part in hy_stats.proposal_share().items())
+        print(f"\nhybrid (DSpark + prompt lookup of {args.prompt_lookup} tokens, chosen each round): tau {hy_stats.tau:.2f}, rounds: {share}")
+        print(f"hybrid generate(): {n_hy} tokens in {hy_s:.2f} s = {n_hy / hy_s:.1f} tok/s, speed-up {n_hy / hy_s / plain_tps:.2f}x ({dtype_name}, {mode})")
     return 0
 
 
@@ -111,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--truncation", choices=("fixed", "threshold", "cost"), default="threshold", help="cost: plan each round from this machine's profiled costs (may decode plainly where drafting cannot pay)")
     gen.add_argument("--threshold", type=float, default=0.0, help="cumulative-survival threshold (threshold mode)")
+    gen.add_argument("--prompt-lookup", type=int, default=10, help="also run hybrid drafting with prompt lookup of this many tokens (0: off)")
     gen.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: bf16 where this CPU has fast bf16, else fp32")
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=cmd_generate)
@@ -141,6 +154,8 @@ def generate_argument_problem(args) -> str | None:
         return f"--temperature must be >= 0 (0 = greedy), got {args.temperature}"
     if not 0 <= args.threshold <= 1:
         return f"--threshold is a cumulative survival probability in [0, 1], got {args.threshold}"
+    if args.prompt_lookup < 0:
+        return f"--prompt-lookup must be >= 0 (0 = off), got {args.prompt_lookup}"
     if args.drafter and not Path(args.drafter).is_dir():
         return f"--drafter {args.drafter} is not a folder"
     return None

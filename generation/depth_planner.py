@@ -125,13 +125,15 @@ def generate_planner(target, drafter, generation_config=None) -> tuple:
     draft_cost = getattr(generation_config, "dspark_draft_cost", None)
     adapt = bool(getattr(generation_config, "dspark_adapt_costs", True))
     block = drafter.config.block_size
-    key = (target.dtype, block, cost_table, draft_cost, adapt)  # frozen tables: equal by value across calls
+    lookup = getattr(generation_config, "prompt_lookup_num_tokens", None) or 0  # hybrid rounds verify up to this many
+    max_width = max(block, int(lookup)) + 1
+    key = (target.dtype, block, max_width, cost_table, draft_cost, adapt)  # frozen tables: equal by value across calls
     planners = _GENERATE_PLANNERS.setdefault(drafter, weakref.WeakKeyDictionary()).setdefault(target, {})
     if key not in planners:
         if cost_table is None or draft_cost is None:
             from .profiler import profile_draft_cost, profile_verify_cost
 
-            cost_table = cost_table or profile_verify_cost(target, rows=(1,), max_width=block + 1)
+            cost_table = cost_table or profile_verify_cost(target, rows=(1,), max_width=max_width)
             draft_cost = draft_cost or profile_draft_cost(target, drafter, rows=(1,))
         planners[key] = (DepthPlanner(cost_table, draft_cost, block, adapt_costs=adapt), cost_table)
     return planners[key]

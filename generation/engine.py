@@ -34,6 +34,7 @@ from transformers.cache_utils import DynamicCache
 
 from .depth_planner import DepthPlanner
 from .drafting import draft_block
+from .hybrid import SlotAcceptance, anchored_survival, ngram_continuation, one_hot_logits
 from .profiler import _model_key
 from .ragged_cache import RaggedCache
 from .scheduler import (
@@ -108,7 +109,15 @@ class DSparkEngine:
     ``depth_planner``: continue from another engine's ``engine.depth_planner`` on the same models (its tables, the
     survival and cost corrections it measured, its probe back-off), as a server that restarts its engine, or
     serves a new batch, would; ``cost_table``, ``draft_cost``, ``probe_interval`` and ``adapt_costs`` then come from
-    it."""
+    it.
+
+    ``prompt_lookup_num_tokens``: hybrid drafting per request (`generation.hybrid`). After the drafter call, each row
+    whose prompt-lookup continuation (at most ``min(prompt_lookup_num_tokens, block_size)`` tokens,
+    ``max_matching_ngram_size`` as in Transformers) is expected to yield more accepted tokens than its DSpark block
+    verifies the continuation instead (a point mass); the expectation reads the n-gram's measured acceptance per
+    slot and match length, and for the block this step's ``c_1`` (the anchor's) times the row's conditional
+    survival of earlier steps, never a token sampled in this step. Such rows leave the scheduler's admission; each
+    round's ``proposal`` is in the request's stats."""
 
     def __init__(
         self,
@@ -124,6 +133,8 @@ class DSparkEngine:
         adapt_costs: bool = True,
         compact_slack: int = 32,
         depth_planner: DepthPlanner | None = None,
+        prompt_lookup_num_tokens: int | None = None,
+        max_matching_ngram_size: int = 2,
     ):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
@@ -176,6 +187,17 @@ class DSparkEngine:
             raise ValueError(f"draft_cost must be a DraftCost, None or False, got {type(draft_cost).__name__}")
         if probe_interval < 1:
             raise ValueError(f"probe_interval must be >= 1, got {probe_interval}")
+        if prompt_lookup_num_tokens is not None:
+            if drafter is None:
+                raise ValueError("prompt_lookup_num_tokens turns on hybrid drafting, which needs a drafter and a scheduler other than 'none'")
+            if int(prompt_lookup_num_tokens) != prompt_lookup_num_tokens or prompt_lookup_num_tokens < 1 or max_matching_ngram_size < 1:
+                raise ValueError(
+                    f"prompt_lookup_num_tokens and max_matching_ngram_size must be positive integers, got "
+                    f"{prompt_lookup_num_tokens} and {max_matching_ngram_size}"
+                )
+        self.lookup_tokens = min(int(prompt_lookup_num_tokens), self.block_size) if prompt_lookup_num_tokens else 0
+        self.max_ngram = int(max_matching_ngram_size)
+        self.ngram_acceptance = SlotAcceptance(self.lookup_tokens) if self.lookup_tokens else None
         self.cost_table, self.draft_cost = cost_table, draft_cost
         # the depth of each step, planned from earlier steps (None: full blocks, as the paper drafts)
         if depth_planner is None and draft_cost is not None:
@@ -325,16 +347,18 @@ class DSparkEngine:
             return self.block_size
         return self.depth_planner.plan([r.survival_estimate for r in requests])
 
-    def _schedule(self, requests, drafted, depth, confidence_logits) -> list[int]:
+    def _schedule(self, requests, drafted, depth, confidence_logits, ngram_rows=()) -> list[int]:
+        """Verification lengths of the drafted blocks; rows in ``ngram_rows`` verify their n-gram instead (0 here)."""
         if self.scheduler == "fixed":
-            return schedule_fixed(drafted, self.num_verify)
+            return schedule_fixed([0 if i in ngram_rows else n for i, n in enumerate(drafted)], self.num_verify)
         survival = self._survival(confidence_logits, drafted)
-        if self.scheduler == "threshold":
-            return schedule_threshold(survival, self.threshold)
         if self.depth_planner is not None:
             estimates = self.depth_planner.update_estimates([r.survival_estimate for r in requests], survival)
             for r, e in zip(requests, estimates):
                 r.survival_estimate = e
+        survival = [[] if i in ngram_rows else s for i, s in enumerate(survival)]
+        if self.scheduler == "threshold":
+            return schedule_threshold(survival, self.threshold)
         spent = self.draft_cost.draft_seconds(len(requests), depth) if self.draft_cost is not None else 0.0
         if self.scheduler == "algorithm1":
             return schedule_algorithm1(survival, self.cost_table, draft_seconds=spent)
@@ -345,6 +369,30 @@ class DSparkEngine:
             capacity = len(requests)
         self._survival_history.append(survival)
         return schedule_top_k(survival, capacity)
+
+    def _ngram_rows(self, requests, remaining, drafted, confidence_logits) -> dict:
+        """Rows that verify their prompt-lookup continuation this step: ``{row: NgramProposal}``. The comparison reads
+        the n-gram's measured acceptance and, for the block, this step's ``c_1`` (the anchor's) and earlier steps."""
+        first = None
+        if confidence_logits is not None and confidence_logits.shape[1]:
+            first = self.drafter.calibrated_confidence(confidence_logits[:, :1].float())[:, 0].tolist()
+        chosen = {}
+        for i, r in enumerate(requests):
+            room = min(self.lookup_tokens, remaining[i] - 1)
+            if room <= 0:
+                continue
+            eos = torch.tensor(sorted(r.eos_token_ids), dtype=torch.long) if r.eos_token_ids else None
+            proposal = ngram_continuation(torch.tensor(r.prompt_ids + r.output_ids), self.max_ngram, room, eos)
+            if not len(proposal.tokens):
+                continue
+            expected_ngram = sum(self.ngram_acceptance.survival(proposal.match_length, len(proposal.tokens)))
+            if first is not None and drafted[i]:
+                expected_block = sum(anchored_survival(first[i], r.survival_estimate, drafted[i]))
+            else:  # no confidence head, or no block this step: earlier steps' estimate (none: nothing drafted)
+                expected_block = sum((r.survival_estimate or [0.0])[: drafted[i]]) if drafted[i] else 0.0
+            if expected_ngram > expected_block:
+                chosen[i] = proposal
+        return chosen
 
     @torch.no_grad()
     def step(self) -> list[EngineRequest]:
@@ -369,7 +417,12 @@ class DSparkEngine:
             draft_logits, confidence_logits = None, None
         if self.depth_planner is not None:
             self.depth_planner.drafted(drafts.shape[1])
-        lengths = self._schedule(requests, drafted, depth, confidence_logits) if drafts.shape[1] else [0] * num_rows
+        if not drafts.shape[1]:
+            drafted = [0] * num_rows
+        ngram_rows = self._ngram_rows(requests, remaining, drafted, confidence_logits) if self.ngram_acceptance is not None else {}
+        lengths = self._schedule(requests, drafted, depth, confidence_logits, ngram_rows) if drafts.shape[1] else [0] * num_rows
+        if ngram_rows:
+            drafts, draft_logits = self._with_ngram_rows(drafts, draft_logits, ngram_rows, lengths)
         longest = max(lengths)
         q_len = 1 + longest
         ids = torch.full((num_rows, q_len), self.pad_token_id, dtype=torch.long, device=device)
@@ -399,8 +452,14 @@ class DSparkEngine:
             if features is not None:
                 fresh = features[i, : 1 + n]
                 r.pending_features = fresh if r.pending_features is None else torch.cat([r.pending_features, fresh])
-            z = confidence_logits[i, : lengths[i]].tolist() if confidence_logits is not None else []
-            r.stats.rounds.append(DSparkRound(drafted=drafted[i] if drafts.shape[1] else 0, verified=lengths[i], accepted=n, confidence_logits=z))
+            if i in ngram_rows:
+                match = ngram_rows[i].match_length
+                self.ngram_acceptance.record(match, lengths[i], n)
+                r.stats.rounds.append(DSparkRound(drafted=drafted[i], verified=lengths[i], accepted=n, proposal="ngram", match_length=match))
+            else:
+                z = confidence_logits[i, : lengths[i]].tolist() if confidence_logits is not None else []
+                kind = "dspark" if drafted[i] else "plain"
+                r.stats.rounds.append(DSparkRound(drafted=drafted[i], verified=lengths[i], accepted=n, confidence_logits=z, proposal=kind))
             self._commit(r, ids_l[i][1 : 1 + n] + [next_l[i]])
         if self.depth_planner is not None:
             self.depth_planner.record_round_time(num_rows, depth if drafts.shape[1] else 0, lengths, time.perf_counter() - started)
@@ -410,6 +469,23 @@ class DSparkEngine:
         self.target_cache.compact(self.compact_slack)
         self.draft_cache.compact(self.compact_slack)
         return done
+
+    def _with_ngram_rows(self, drafts, draft_logits, ngram_rows, lengths):
+        """Drafts and q with the n-gram rows' continuations (point masses) in place of their blocks; sets their lengths."""
+        num_rows, depth = drafts.shape
+        width = max([depth] + [len(p.tokens) for p in ngram_rows.values()])
+        vocab = self.lm_head.weight.shape[0]
+        tokens = torch.zeros(num_rows, width, dtype=torch.long, device=drafts.device)
+        tokens[:, :depth] = drafts
+        q = torch.zeros(num_rows, width, vocab, dtype=torch.float32, device=drafts.device)  # slots past a row's length: unused
+        if draft_logits is not None:
+            q[:, :depth] = draft_logits.float()
+        for i, proposal in ngram_rows.items():
+            n = len(proposal.tokens)
+            tokens[i, :n] = proposal.tokens.to(drafts.device)
+            q[i, :n] = one_hot_logits(tokens[i, :n], vocab)
+            lengths[i] = n
+        return tokens, q
 
     def _commit(self, request: EngineRequest, tokens: list[int]) -> None:
         """Append tokens, cut at EOS or the token limit, stream them."""

@@ -346,3 +346,52 @@ def test_measured_step_times_correct_the_cost_model():
     free = DraftCost.from_dict({4: [0.0] * 4})
     assert plan_draft_depth(sure, PADDED, free, 4) == 4
     assert plan_draft_depth(sure, PADDED, free, 4, cost_scale=lambda d: 1.0 if d == 0 else 5.0) == 0
+
+
+@pytest.mark.parametrize("scheduler", ["fixed", "threshold", "algorithm1+draft cost"])
+def test_hybrid_rows_greedy_equal_plain_and_batched_equals_singleton(scheduler):
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    ps = [p * 3 for p in prompts(96, lengths=(3, 5, 4))] + prompts(96, lengths=(9, 12))  # repeated text: n-gram matches
+    budgets = [20, 14, 25, 9, 17]
+    engine = DSparkEngine(target, drafter, prompt_lookup_num_tokens=6, **SETTINGS[scheduler])
+    ids = [engine.add_request(p, max_new_tokens=n) for p, n in zip(ps, budgets)]
+    while engine.has_work():
+        engine.step()
+    kinds = {}
+    for rid, p, n in zip(ids, ps, budgets):
+        request = engine.finished[rid]
+        assert request.output_ids == plain_greedy(target, p, n), f"request {rid} ({scheduler})"
+        for r in request.stats.rounds:
+            kinds[r.proposal] = kinds.get(r.proposal, 0) + (r.verified > 0)
+            assert r.accepted <= r.verified
+    assert kinds.get("ngram", 0) > 0 and kinds.get("dspark", 0) > 0, kinds
+    single = DSparkEngine(target, drafter, prompt_lookup_num_tokens=6, **SETTINGS[scheduler])
+    assert [single.generate([p], max_new_tokens=n)[0] for p, n in zip(ps, budgets)] == [engine.finished[i].output_ids for i in ids]
+
+
+def test_hybrid_rows_sampling_matches_target():
+    target = peaked_target()
+    drafter = tiny_drafter(target, seed=7)
+    torch.manual_seed(0)
+    counts, verified, accepted = {}, {"ngram": 0, "dspark": 0}, {"ngram": 0, "dspark": 0}
+    for _ in range(200):
+        engine = DSparkEngine(target, drafter, prompt_lookup_num_tokens=3, **SETTINGS["fixed"])
+        for out in engine.generate([PROMPT[0].tolist()] * 10, max_new_tokens=NEW, temperature=1.0):
+            counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+        for request in engine.finished.values():
+            for r in request.stats.rounds:
+                if r.proposal in verified:
+                    verified[r.proposal] += r.verified
+                    accepted[r.proposal] += r.accepted
+    for kind in verified:  # both proposals verified, accepted and rejected
+        assert verified[kind] > 300 and 0 < accepted[kind] < verified[kind], (verified, accepted)
+    assert chi_square_pvalue(counts, exact_distribution(target), sum(counts.values())) > 1e-3
+
+
+def test_hybrid_engine_settings_are_checked():
+    target = tiny_target()
+    with pytest.raises(ValueError, match="needs a drafter"):
+        DSparkEngine(target, None, scheduler="none", prompt_lookup_num_tokens=4)
+    with pytest.raises(ValueError, match="positive integers"):
+        DSparkEngine(target, tiny_drafter(target), scheduler="fixed", prompt_lookup_num_tokens=0)

@@ -58,13 +58,14 @@ def test_missing_weights_package_says_what_to_install(monkeypatch):
 def test_cli_generate_reports_tau_and_speedup(capsys):
     assert cli_main(["generate", "What is 2+2?", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
-    assert "tau" in out and "speed-up" in out and "tok/s" in out and "dtype: " in out
+    assert "tau" in out and "speed-up" in out and "tok/s" in out and "dtype: " in out and "hybrid generate():" in out
 
 
 @pytest.mark.parametrize(
     "argv,message",
     [(["--drafter", "NOPE"], "is not a folder"), (["--temperature", "-1"], "--temperature must be >= 0"),
-     (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 1"), (["--threshold", "5"], "--threshold is a")],
+     (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 1"), (["--threshold", "5"], "--threshold is a"),
+     (["--prompt-lookup", "-2"], "--prompt-lookup must be >= 0")],
 )  # fmt: skip
 def test_cli_bad_arguments_exit_2_before_loading(capsys, tmp_path, monkeypatch, argv, message):
     import modeling_dspark

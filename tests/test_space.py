@@ -78,8 +78,8 @@ def test_demo_in_a_real_browser(demo_url, tmp_path):
         browser.find_element(By.CSS_SELECTOR, "#run").click()
         wait.until(lambda b: "speed-up" in b.find_element(By.ID, "stats").text)
         plain = browser.find_element(By.CSS_SELECTOR, "#plain textarea").get_attribute("value")
-        spans = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#dspark span.accepted, #dspark span.target")]
-        accepted = browser.find_elements(By.CSS_SELECTOR, "#dspark span.accepted")
+        spans = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#dspark span.accepted, #dspark span.copied, #dspark span.target")]
+        accepted = browser.find_elements(By.CSS_SELECTOR, "#dspark span.accepted, #dspark span.copied")
         stats = browser.find_element(By.ID, "stats").text
         shot = tmp_path / "demo.png"
         browser.save_screenshot(str(shot))
@@ -90,7 +90,7 @@ def test_demo_in_a_real_browser(demo_url, tmp_path):
     assert plain.strip(), "the plain output is empty"
     assert spans, "the DSpark output has no coloured tokens"
     assert "".join(spans).strip(), "the DSpark output is empty"
-    assert accepted, "no drafted token was accepted: the drafter is not in the loop"
+    assert accepted, "no drafted or copied token was accepted: speculation is not in the loop"
     assert "tau" in stats and "tok/s" in stats
     assert shot.stat().st_size > 10_000
 

@@ -1,14 +1,16 @@
 """DSpark demo (Gradio): plain ``generate()`` and DSpark side by side on the CPU, streaming.
 
 The DSpark text is coloured per token: green = a drafted token the target accepted (darker = higher
-calibrated confidence), orange = a token the target produced itself (the correction after a rejection, or the
-bonus token of a fully accepted block). Below: tokens/s of both, tau and the speed-up. The two runs go one
+calibrated confidence), blue = a token copied by prompt lookup that the target accepted (hybrid drafting: each
+round verifies the n-gram continuation or the DSpark block), orange = a token the target produced itself (the
+correction after a rejection, or the bonus token of a fully accepted round). Below: tokens/s of both, tau and the speed-up. The two runs go one
 after the other, so each has the CPU to itself.
 
     python -m hub_cards.space.app [--port 7860]          # or: dspark demo
 
 Settings (environment): ``DSPARK_TARGET`` (embedded target name, default the SmolLM2 default target),
-``DSPARK_DRAFTER`` (drafter folder, default the shipped one), ``DSPARK_DEMO_MAX_NEW_TOKENS`` (default 96).
+``DSPARK_DRAFTER`` (drafter folder, default the shipped one), ``DSPARK_DEMO_MAX_NEW_TOKENS`` (default 96),
+``DSPARK_DEMO_PROMPT_LOOKUP`` (prompt-lookup tokens of hybrid drafting, default 10; 0 = DSpark alone).
 """
 
 from __future__ import annotations
@@ -64,10 +66,13 @@ def dspark_tokens_html(pieces, tokenizer, drafter) -> str:
     shaded by calibrated confidence; the target's own tokens in orange."""
     spans = []
     for tokens, round_ in pieces:
-        accepted = len(tokens) - 1 if round_ is not None and round_.drafted > 0 else 0
+        accepted = len(tokens) - 1 if round_ is not None and round_.verified > 0 else 0
+        copied = round_ is not None and round_.proposal == "ngram"
         for j, token in enumerate(tokens):
             text = html.escape(tokenizer.decode([token]))
-            if j < accepted:
+            if j < accepted and copied:
+                spans.append(f'<span class="copied" title="accepted prompt-lookup token" style="background: rgba(56, 132, 255, 0.55)">{text}</span>')
+            elif j < accepted:
                 conf = 1.0
                 if round_.confidence_logits and j < len(round_.confidence_logits) and drafter.confidence_head is not None:
                     z = torch.tensor(round_.confidence_logits[j])
@@ -99,7 +104,7 @@ def _run_streaming(target, ids, kwargs, drafter=None):
     yield pieces, time.perf_counter() - start
 
 
-def build_demo(target, tokenizer, drafter, *, max_new_tokens: int = 96):
+def build_demo(target, tokenizer, drafter, *, max_new_tokens: int = 96, prompt_lookup: int = 10):
     import gradio as gr
 
     from generation.benchmark import chat_input_ids
@@ -117,11 +122,12 @@ def build_demo(target, tokenizer, drafter, *, max_new_tokens: int = 96):
             plain_tps = n_plain / max(elapsed, 1e-9)
             yield plain_text, "", f"plain `generate()`: {n_plain} tokens, {plain_tps:.1f} tok/s ..."
         pieces, elapsed = [], 0.0
-        for pieces, elapsed in _run_streaming(target, ids, kwargs, drafter):
+        hybrid = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+        for pieces, elapsed in _run_streaming(target, ids, {**kwargs, **hybrid}, drafter):
             yield plain_text, dspark_tokens_html(pieces, tokenizer, drafter), f"DSpark: {sum(len(s) for s, _ in pieces)} tokens ..."
         n = sum(len(step) for step, _ in pieces)
-        drafted = [len(step) for step, r in pieces if r is not None and r.drafted > 0]
-        tau = sum(drafted) / max(len(drafted), 1)  # tokens per verification round, bonus included
+        rounds = [len(step) for step, r in pieces if r is not None]
+        tau = sum(rounds) / max(len(rounds), 1)  # tokens per verification round, bonus included
         tps = n / max(elapsed, 1e-9)
         stats = (
             f"plain `generate()`: {n_plain} tokens, **{plain_tps:.1f} tok/s** | DSpark: {n} tokens, **{tps:.1f} tok/s** | "
@@ -133,7 +139,8 @@ def build_demo(target, tokenizer, drafter, *, max_new_tokens: int = 96):
         gr.Markdown(
             "# DSpark speculative decoding\nGreedy output of the target alone (left) and with a DSpark drafter (right): the "
             "same text, up to bf16 rounding at near-ties. Right: <span style='background: rgba(46,160,67,.7)'>accepted drafts</span> (darker = more "
-            "confident), <span style='background: rgba(255,140,0,.45)'>tokens the target produced</span>."
+            "confident), <span style='background: rgba(56,132,255,.55)'>accepted prompt-lookup tokens</span> (hybrid drafting), "
+            "<span style='background: rgba(255,140,0,.45)'>tokens the target produced</span>."
         )
         prompt = gr.Textbox(label="Prompt", value=EXAMPLES[0], lines=2, elem_id="prompt")
         button = gr.Button("Generate", variant="primary", elem_id="run")
@@ -161,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     drafter_path = os.environ.get("DSPARK_DRAFTER", str(ROOT / "checkpoints" / "dspark-smollm2-135m-instruct"))
     target, tokenizer = load_target(target_name)  # auto: bf16 where this CPU has fast bf16, else fp32
     drafter = load_drafter(drafter_path, dtype=target.dtype)
-    demo = build_demo(target, tokenizer, drafter, max_new_tokens=int(os.environ.get("DSPARK_DEMO_MAX_NEW_TOKENS", 96)))
+    demo = build_demo(
+        target, tokenizer, drafter, max_new_tokens=int(os.environ.get("DSPARK_DEMO_MAX_NEW_TOKENS", 96)),
+        prompt_lookup=int(os.environ.get("DSPARK_DEMO_PROMPT_LOOKUP", 10)),
+    )  # fmt: skip
     demo.queue().launch(server_name=args.host, server_port=args.port, show_error=True)
     return 0
 
