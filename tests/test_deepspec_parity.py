@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM
 import modeling_dspark
 from modeling_dspark import DSparkModel
 
-FIXTURE = Path(os.environ.get("DSPARK_PARITY_FIXTURE", Path(__file__).resolve().parents[2] / "shared/fixtures/deepspec_parity"))
+# shipped with the tests (a copy of the fixture the official code wrote; its README says how)
+FIXTURE = Path(os.environ.get("DSPARK_PARITY_FIXTURE", Path(__file__).resolve().parent / "fixtures" / "deepspec_parity"))
 ATOL = RTOL = 1e-5
 pytestmark = pytest.mark.skipif(not FIXTURE.is_dir(), reason=f"parity fixture not found at {FIXTURE}")
 
@@ -52,9 +53,10 @@ def run_block(drafter, target, features, anchor, positions, cache=None):
 
 def test_loaded_as_ours(fx):
     _, meta, target, drafter = fx
-    cfg = drafter.config
-    assert cfg.model_type == "dspark" and cfg.block_size == 4 and cfg.target_layer_ids == [0, 2]
-    assert cfg.mask_token_id == 255 and cfg.markov_head_type == "vanilla" and cfg.markov_rank == 8
+    cfg, args = drafter.config, meta["model_args"]  # the geometry the official code was run with
+    assert cfg.model_type == "dspark" and cfg.block_size == args["block_size"] and cfg.target_layer_ids == args["target_layer_ids"]
+    assert cfg.num_draft_layers == args["num_draft_layers"] and cfg.mask_token_id == args["mask_token_id"]
+    assert cfg.markov_head_type == args["markov_head_type"] and cfg.markov_rank == args["markov_rank"]
     keys = set(drafter.state_dict())
     assert "embed_tokens.weight" not in keys and "lm_head.weight" not in keys
     assert keys == set(meta["drafter_keys"]) - {"embed_tokens.weight", "lm_head.weight"}

@@ -103,3 +103,11 @@ def test_space_folder_build(tmp_path):
     assert "checkpoints/dspark-smollm2-135m-instruct/model.safetensors" in files
     header = (tmp_path / "space" / "README.md").read_text().split("---")[1]
     assert "sdk: gradio" in header and "app_file: hub_cards/space/app.py" in header
+
+
+def test_demo_refuses_empty_and_overlong_prompts():
+    from hub_cards.space.app import MAX_PROMPT_CHARS, prompt_problem
+
+    assert prompt_problem("What is 7 times 8?") is None
+    assert prompt_problem("  ") == "Type a prompt first."
+    assert f"{MAX_PROMPT_CHARS + 1:,} characters" in prompt_problem("x" * (MAX_PROMPT_CHARS + 1))

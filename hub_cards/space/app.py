@@ -32,13 +32,25 @@ if (ROOT / "modeling_dspark").is_dir() and str(ROOT) not in sys.path:  # a Space
 
 import torch  # noqa: E402
 
-__all__ = ["build_demo", "dspark_tokens_html", "main"]
+__all__ = ["MAX_PROMPT_CHARS", "build_demo", "dspark_tokens_html", "main", "prompt_problem"]
 
 EXAMPLES = [
     "What is 12*13? Explain step by step.",
     "Write a Python function that checks whether a string is a palindrome.",
     "Give me three tips for a good night's sleep.",
 ]
+
+
+MAX_PROMPT_CHARS = 2000  # a CPU demo: longer prompts would hold the box for minutes
+
+
+def prompt_problem(prompt: str | None) -> str | None:
+    """Why the demo refuses ``prompt`` (None when it takes it)."""
+    if not prompt or not prompt.strip():
+        return "Type a prompt first."
+    if len(prompt) > MAX_PROMPT_CHARS:
+        return f"The prompt has {len(prompt):,} characters; this demo takes up to {MAX_PROMPT_CHARS:,}."
+    return None
 
 
 class _QueueStreamer:
@@ -111,8 +123,9 @@ def build_demo(target, tokenizer, drafter, *, max_new_tokens: int = 96, prompt_l
     from modeling_dspark.targets import dtype_label
 
     def run(prompt):
-        if not prompt or not prompt.strip():
-            raise gr.Error("Type a prompt first.")
+        problem = prompt_problem(prompt)
+        if problem:
+            raise gr.Error(problem)
         ids = chat_input_ids(tokenizer, prompt)
         kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
         plain_text, plain_tps, n_plain = "", 0.0, 0
