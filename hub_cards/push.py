@@ -41,10 +41,21 @@ def remote_code_files(folder: str | Path) -> list[str]:
     return needed
 
 
+def upload_files(folder: str | Path) -> list[str]:
+    """Every file ``push_drafter`` sends: the folder's files (relative paths, sorted) without Python caches."""
+    folder = Path(folder)
+    return sorted(
+        path.relative_to(folder).as_posix()
+        for path in folder.rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc"
+    )
+
+
 def push_drafter(folder: str | Path, repo_id: str, *, private: bool = False, token: str | None = None, dry_run: bool = False, api=None):
-    """Create ``repo_id`` (if needed) and upload ``folder``; returns the files checked (and, unless ``dry_run``,
-    the commit info)."""
-    files = remote_code_files(folder)
+    """Check ``folder`` (``remote_code_files``), create ``repo_id`` if needed and upload exactly ``upload_files(folder)``;
+    returns that list (and, unless ``dry_run``, the commit info)."""
+    remote_code_files(folder)
+    files = upload_files(folder)
     if dry_run:
         return files, None
     from huggingface_hub import HfApi
@@ -52,7 +63,7 @@ def push_drafter(folder: str | Path, repo_id: str, *, private: bool = False, tok
     api = api or HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
-                             commit_message="Upload drafter", ignore_patterns=["__pycache__/*", "*.pyc"])  # fmt: skip
+                             commit_message="Upload drafter", allow_patterns=files)  # fmt: skip
     return files, info
 
 
@@ -61,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder")
     parser.add_argument("repo_id")
     parser.add_argument("--private", action="store_true")
-    parser.add_argument("--dry-run", action="store_true", help="check the folder and list what would be uploaded")
+    parser.add_argument("--dry-run", action="store_true", help="check the folder and list every file the upload would send")
     args = parser.parse_args(argv)
     try:
         files, info = push_drafter(args.folder, args.repo_id, private=args.private, dry_run=args.dry_run)

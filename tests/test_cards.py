@@ -70,11 +70,17 @@ def test_push_checks_the_folder_and_uploads_it(folder):
     write_card(folder)
     files = remote_code_files(folder)
     assert {"config.json", "model.safetensors", "README.md", "configuration_dspark.py", "modeling_dspark.py"} <= set(files)
-    assert push_drafter(folder, "someone/x", dry_run=True) == (files, None)
+    (folder / "notes").mkdir()
+    (folder / "notes" / "extra.md").write_text("sent too")
+    (folder / "__pycache__").mkdir()
+    (folder / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"")
+    listed, _ = push_drafter(folder, "someone/x", dry_run=True)
+    assert set(files) < set(listed) and "notes/extra.md" in listed and not any("pycache" in f for f in listed)
     api = FakeApi()
     push_drafter(folder, "someone/x", private=True, api=api)
     assert api.calls[0] == ("create_repo", "someone/x", {"private": True, "exist_ok": True, "repo_type": "model"})
     assert api.calls[1][1]["folder_path"] == str(folder) and api.calls[1][1]["repo_id"] == "someone/x"
+    assert api.calls[1][1]["allow_patterns"] == listed  # the dry run lists exactly what is sent
     config = json.loads((folder / "config.json").read_text())
     del config["auto_map"]
     (folder / "config.json").write_text(json.dumps(config))
