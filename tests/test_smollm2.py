@@ -38,6 +38,27 @@ def test_random_drafter_greedy_identical_fp32(smollm2_fp32):
         assert drafter.last_stats.num_rounds > 0
 
 
+def test_shipped_drafter_hybrid_greedy_identical_fp32(smollm2_fp32):
+    """Hybrid drafting on the real target: both proposals verified, the output token for token plain generate()'s."""
+    from generation.cli import SHIPPED_DRAFTER
+    from generation.scheduler import DraftCost, PaddedCostTable
+
+    target, tokenizer = smollm2_fp32
+    drafter = DSparkModel.from_pretrained(SHIPPED_DRAFTER, dtype=torch.float32).eval()
+    tables = dict(  # a verify forward's time grows slowly with width; a drafter call costs half a plain step
+        dspark_cost_table=PaddedCostTable.from_dict({1: {w: 0.05 * (1 + 0.03 * w) for w in range(1, 12)}}),
+        dspark_draft_cost=DraftCost.from_dict({1: [0.025] * drafter.config.block_size}), dspark_adapt_costs=False,
+    )  # fmt: skip
+    kinds = set()
+    for prompt in PROMPTS:
+        ids = chat_ids(tokenizer, prompt)
+        ref = target.generate(ids, do_sample=False, max_new_tokens=48)
+        out = target.generate(ids, do_sample=False, max_new_tokens=48, assistant_model=drafter, prompt_lookup_num_tokens=10, **tables)
+        assert torch.equal(ref, out), (tokenizer.decode(ref[0]), tokenizer.decode(out[0]))
+        kinds |= {r.proposal for r in drafter.last_stats.rounds if r.verified and r.accepted}
+    assert {"ngram", "dspark"} <= kinds, kinds
+
+
 def test_sampling_runs_with_threshold(smollm2_fp32):
     target, tokenizer = smollm2_fp32
     drafter = DSparkModel.from_target(target, num_draft_layers=1, markov_rank=32).eval()
