@@ -150,12 +150,17 @@ class TargetDistribution:
 
 @torch.no_grad()
 def target_distribution(
-    drafter, target_last_hidden: torch.Tensor, lm_head: torch.nn.Module, needed: torch.Tensor, chunk_rows: int = 512
+    drafter, target_last_hidden: torch.Tensor, lm_head: torch.nn.Module, logit_index: torch.LongTensor, eval_mask: torch.Tensor,
+    chunk_rows: int = 512,
 ) -> TargetDistribution:
-    """``softmax(lm_head(h_t))`` once per position where ``needed`` [bsz, S] is True, restricted to the drafter's
-    draft vocabulary (and the mass outside it), in chunks of ``chunk_rows`` positions. A block slot that predicts
-    from a position gathers it, instead of every covering anchor recomputing a full-vocabulary softmax."""
-    bsz, seq_len = needed.shape
+    """``softmax(lm_head(h_t))`` once per position that a supervised slot predicts from (``logit_index`` [bsz, N, B]
+    where ``eval_mask``), restricted to the drafter's draft vocabulary (and the mass outside it), in chunks of
+    ``chunk_rows`` positions. Every slot that predicts from a position gathers it, instead of every covering anchor
+    recomputing a full-vocabulary softmax."""
+    bsz, seq_len = target_last_hidden.shape[:2]
+    needed = torch.zeros(bsz, seq_len, dtype=torch.bool, device=logit_index.device)
+    batch_index = torch.arange(bsz, device=logit_index.device).view(-1, *([1] * (logit_index.dim() - 1))).expand_as(logit_index)
+    needed[batch_index[eval_mask], logit_index[eval_mask]] = True
     where = needed.nonzero(as_tuple=False)  # [M, 2]
     draft_ids = drafter.draft_token_ids
     width = drafter.num_draft_tokens_in_vocab
@@ -172,8 +177,8 @@ def target_distribution(
             inside = full.index_select(-1, draft_ids.to(full.device))
             probs[rows] = inside
             outside[rows] = (1.0 - inside.sum(-1)).clamp(min=0.0)
-    row = torch.zeros(bsz, seq_len, dtype=torch.long, device=needed.device)
-    row[where[:, 0], where[:, 1]] = torch.arange(1, where.shape[0] + 1, device=needed.device)
+    row = torch.zeros(bsz, seq_len, dtype=torch.long, device=logit_index.device)
+    row[where[:, 0], where[:, 1]] = torch.arange(1, where.shape[0] + 1, device=logit_index.device)
     return TargetDistribution(probs, outside, row)
 
 
@@ -295,9 +300,7 @@ def compute_dspark_loss(
     h = out.last_hidden_state.view(bsz, num_blocks, gamma, -1)
     weights = build_loss_weights(eval_mask, decay)
     use_confidence = drafter.confidence_head is not None and confidence_alpha > 0
-    needed = torch.zeros(bsz, seq_len, dtype=torch.bool, device=input_ids.device)
-    needed[torch.arange(bsz, device=needed.device)[:, None, None].expand_as(logit_index)[eval_mask], logit_index[eval_mask]] = True
-    target = target_distribution(drafter, target_last_hidden, lm_head, needed)
+    target = target_distribution(drafter, target_last_hidden, lm_head, logit_index, eval_mask)
     label_in_vocab = drafter.in_draft_vocab(target_ids)
     target_ids, prev_draft = drafter.draft_index(target_ids), drafter.draft_index(prev_ids)
 
@@ -317,21 +320,19 @@ def compute_dspark_loss(
     accept_rates, drafts, targets, confs = [], [], [], []
     kept_bytes = 5 * 4 * int(eval_mask.any(-1).sum()) * gamma * drafter.num_draft_tokens_in_vocab  # ~5 fp32 [.., Vd] per slot
     recompute = num_blocks > chunk_size and kept_bytes > logits_memory_gb * 2**30
-    # split (not sliced per chunk): the backward of a slice fills a zero tensor of h's whole shape for every chunk
-    h_chunks = [part for row in h.unbind(0) for part in row.split(chunk_size, dim=0)]
     # W1[x_{k-1}] once for the batch: an embedding's backward fills a dense [vocab, r] gradient per call
-    emb_chunks = [None] * len(h_chunks)
-    if drafter.markov_head is not None:
-        prev_emb = drafter.markov_head.get_prev_embeddings(prev_draft)
-        emb_chunks = [part for row in prev_emb.unbind(0) for part in row.split(chunk_size, dim=0)]
+    prev_emb = drafter.markov_head.get_prev_embeddings(prev_draft) if drafter.markov_head is not None else None
+    # split (not sliced per chunk): the backward of a slice fills a zero tensor of h's whole shape for every chunk
+    h_rows, emb_rows = h.unbind(0), prev_emb.unbind(0) if prev_emb is not None else [None] * bsz
     for b in range(bsz):
-        for c, start in enumerate(range(0, num_blocks, chunk_size)):
+        h_parts = h_rows[b].split(chunk_size)
+        emb_parts = emb_rows[b].split(chunk_size) if emb_rows[b] is not None else [None] * len(h_parts)
+        for start, h_c, emb_c in zip(range(0, num_blocks, chunk_size), h_parts, emb_parts):
             sl = slice(start, start + chunk_size)
             if not bool(eval_mask[b, sl].any()) and not return_logits:
                 accept_rates.append(h.new_zeros(eval_mask[b, sl].shape, dtype=torch.float32))
                 continue  # dummy blocks only: no weight, no gradient
-            i_c = b * len(range(0, num_blocks, chunk_size)) + c
-            args = (h_chunks[i_c], emb_chunks[i_c], prev_ids[b, sl], prev_draft[b, sl], target_ids[b, sl], label_in_vocab[b, sl], logit_index[b, sl], weights[b, sl], b)
+            args = (h_c, emb_c, prev_ids[b, sl], prev_draft[b, sl], target_ids[b, sl], label_in_vocab[b, sl], logit_index[b, sl], weights[b, sl], b)
             # with several chunks, recompute each chunk's logits in backward instead of keeping them all alive
             if recompute and torch.is_grad_enabled() and drafter.training and not return_logits:
                 result = checkpoint(chunk_terms, *args, use_reentrant=False)
