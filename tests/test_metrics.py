@@ -61,3 +61,19 @@ def test_calibration_metric_by_hand():
 def test_unknown_metric_is_named():
     with pytest.raises(ValueError, match="shipped"):
         metric_path("bleu")
+
+
+def test_learning_curve_plot_and_table(tmp_path):
+    import json
+
+    from modeling_dspark.learning_curve import plot_learning_curve
+
+    log = [{"step": s, "expected_tau": 1 + s / 100, "accept_rate@0": s / 200} for s in (10, 20, 30)]
+    path = tmp_path / "learning_curve.json"
+    path.write_text(json.dumps({"runs": [{"name": "a", "positions_per_step": 1e5, "offset_positions": 0, "held_out_expected_tau": 1.2, "log": log}]}))
+    table = plot_learning_curve(path).read_text()
+    assert "| a | 3.00M | 1.200 | 1.200 |" in table
+    assert (tmp_path / "learning_curve.png").stat().st_size > 10_000
+    path.write_text(json.dumps({"runs": []}))
+    with pytest.raises(ValueError, match="no runs"):
+        plot_learning_curve(path)
