@@ -19,7 +19,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .drafting import draft_block
-from .hybrid import HybridChooser, anchored_survival, ngram_continuation, one_hot_logits
+from .hybrid import HybridChooser, anchored_survival, check_lookup_settings, ngram_continuation, one_hot_logits
 from .stats import DSparkGenerationStats, DSparkRound
 
 __all__ = ["DSparkCandidateGenerator", "HiddenStateCandidateGenerator", "check_assisted_inputs"]
@@ -152,24 +152,22 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
         lookup = getattr(generation_config, "prompt_lookup_num_tokens", None)
         self.hybrid = None
         self.depth_planner = None
+        self._planner = None  # set for cost truncation and hybrid drafting: the measured round times correct its tables
         if self.truncation == "cost" or lookup is not None:
             from .depth_planner import generate_planner
 
-            max_ngram = getattr(generation_config, "max_matching_ngram_size", None)
-            max_ngram = 2 if max_ngram is None else max_ngram  # Transformers' prompt-lookup default
-            if lookup is not None and (int(lookup) != lookup or lookup < 1 or int(max_ngram) != max_ngram or max_ngram < 1):
-                raise ValueError(
-                    f"prompt_lookup_num_tokens and max_matching_ngram_size must be positive integers, got {lookup} and {max_ngram}"
-                )
+            if lookup is not None:
+                max_ngram = getattr(generation_config, "max_matching_ngram_size", None)
+                lookup, max_ngram = check_lookup_settings(lookup, 2 if max_ngram is None else max_ngram)  # 2: Transformers' default
             planner, self.cost_table = generate_planner(target, drafter, generation_config)
             if self.truncation == "cost":
                 self.depth_planner = planner
             if lookup is not None:
                 self.hybrid = HybridChooser(
-                    self.cost_table, planner.draft_cost, max_ngram=int(max_ngram), num_ngram_tokens=int(lookup),
+                    self.cost_table, planner.draft_cost, max_ngram=max_ngram, num_ngram_tokens=lookup,
                     scale=lambda depth: planner.scale(1, depth),
                 )  # fmt: skip
-            self._planner = planner  # the measured round times correct the cost tables of both
+            self._planner = planner
         self.survival_estimate: list[float] | None = None  # moving average of the block's survival per slot
         self._unseen_features = None  # target features of tokens the drafter has not read (rounds without drafting)
         self._round_timing = None  # (start, depth, verified) of the round in flight, for the measured-cost ratio
@@ -256,25 +254,25 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
         drafted = verified = int(block.lengths[0])
         confidence = block.confidence_logits[0] if block.confidence_logits is not None else None
         survival = None
-        if confidence is not None and confidence.numel() and (self.depth_planner is not None or self.hybrid is not None):
+        if confidence is not None and confidence.numel() and self._planner is not None:
             survival = torch.cumprod(self.drafter.calibrated_confidence(confidence.float()[None]).double(), dim=-1)[0].tolist()
-        if ngram is not None and self.hybrid.prefer_ngram(ngram, depth, self._choice_survival(survival, depth)):
-            if survival is not None and drafted:  # this round's survival informs later rounds only
-                self.survival_estimate = self._planner.update_estimates([self.survival_estimate], [survival[:drafted]])[0]
+        # the choice reads the estimate of earlier rounds, so it is made before this round's survival joins it
+        use_ngram = ngram is not None and self.hybrid.prefer_ngram(ngram, depth, self._choice_survival(survival, depth))
+        if survival is not None and drafted:
+            self.survival_estimate = self._planner.update_estimates([self.survival_estimate], [survival[:drafted]])[0]
+        if use_ngram:
             return self._ngram_round(input_ids, proposal, ngram.length, start, drafted=drafted, depth=depth)
         if self.hybrid is not None:
             self.hybrid.record_choice("dspark")
-        if survival is not None and drafted:
-            self.survival_estimate = self._planner.update_estimates([self.survival_estimate], [survival[:drafted]])[0]
-            if self.depth_planner is not None:
-                verified = self._cost_cut(survival[:drafted], depth)
+        if survival is not None and drafted and self.depth_planner is not None:
+            verified = self._cost_cut(survival[:drafted], depth)
         self._pending_round = DSparkRound(
             drafted=drafted,
             verified=verified,
             confidence_logits=confidence[:verified].tolist() if confidence is not None else [],
             draft_seconds=time.perf_counter() - start,
         )
-        if self.depth_planner is not None or self.hybrid is not None:
+        if self._planner is not None:
             self._round_timing = (start, depth, verified)
         if verified == 0:
             return input_ids, None

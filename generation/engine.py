@@ -34,7 +34,7 @@ from transformers.cache_utils import DynamicCache
 
 from .depth_planner import DepthPlanner
 from .drafting import draft_block
-from .hybrid import SlotAcceptance, anchored_survival, ngram_continuation, one_hot_logits
+from .hybrid import SlotAcceptance, anchored_survival, check_lookup_settings, ngram_continuation, one_hot_logits
 from .profiler import _model_key
 from .ragged_cache import RaggedCache
 from .scheduler import (
@@ -190,12 +190,8 @@ class DSparkEngine:
         if prompt_lookup_num_tokens is not None:
             if drafter is None:
                 raise ValueError("prompt_lookup_num_tokens turns on hybrid drafting, which needs a drafter and a scheduler other than 'none'")
-            if int(prompt_lookup_num_tokens) != prompt_lookup_num_tokens or prompt_lookup_num_tokens < 1 or max_matching_ngram_size < 1:
-                raise ValueError(
-                    f"prompt_lookup_num_tokens and max_matching_ngram_size must be positive integers, got "
-                    f"{prompt_lookup_num_tokens} and {max_matching_ngram_size}"
-                )
-        self.lookup_tokens = min(int(prompt_lookup_num_tokens), self.block_size) if prompt_lookup_num_tokens else 0
+            prompt_lookup_num_tokens, max_matching_ngram_size = check_lookup_settings(prompt_lookup_num_tokens, max_matching_ngram_size)
+        self.lookup_tokens = min(prompt_lookup_num_tokens, self.block_size) if prompt_lookup_num_tokens else 0
         self.max_ngram = int(max_matching_ngram_size)
         self.ngram_acceptance = SlotAcceptance(self.lookup_tokens) if self.lookup_tokens else None
         self.cost_table, self.draft_cost = cost_table, draft_cost

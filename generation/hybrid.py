@@ -28,8 +28,18 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "HybridChooser", "NgramProposal", "Proposal", "SlotAcceptance", "anchored_survival", "ngram_continuation", "one_hot_logits",
+    "check_lookup_settings", "HybridChooser", "NgramProposal", "Proposal", "SlotAcceptance", "anchored_survival", "ngram_continuation", "one_hot_logits",
 ]  # fmt: skip
+
+
+def check_lookup_settings(num_tokens, max_ngram) -> tuple[int, int]:
+    """``(prompt_lookup_num_tokens, max_matching_ngram_size)`` as ints, or a ValueError naming both."""
+    if int(num_tokens) != num_tokens or num_tokens < 1 or int(max_ngram) != max_ngram or max_ngram < 1:
+        raise ValueError(
+            "prompt_lookup_num_tokens and max_matching_ngram_size must be positive integers (prompt_lookup_num_tokens >= 1, "
+            f"max_matching_ngram_size >= 1), got {num_tokens} and {max_ngram}"
+        )
+    return int(num_tokens), int(max_ngram)
 
 
 @dataclass
@@ -127,11 +137,9 @@ class HybridChooser:
     when none ran for ``probe_interval`` rounds, so its survival estimate does not go stale while the n-gram wins."""
 
     def __init__(self, cost_table, draft_cost, *, max_ngram: int, num_ngram_tokens: int, scale=None, probe_interval: int = 16):
-        if max_ngram < 1 or num_ngram_tokens < 1:
-            raise ValueError(f"prompt lookup needs max_matching_ngram_size >= 1 and prompt_lookup_num_tokens >= 1, got {max_ngram} and {num_ngram_tokens}")
+        self.num_ngram_tokens, self.max_ngram = check_lookup_settings(num_ngram_tokens, max_ngram)
         self.cost_table, self.draft_cost = cost_table, draft_cost
-        self.max_ngram, self.num_ngram_tokens = max_ngram, num_ngram_tokens
-        self.ngram = SlotAcceptance(num_ngram_tokens)
+        self.ngram = SlotAcceptance(self.num_ngram_tokens)
         self.scale = scale or (lambda depth: 1.0)
         self.probe_interval = probe_interval
         self.rounds_since_dspark = 0
@@ -139,11 +147,14 @@ class HybridChooser:
     def _verify_seconds(self, num_tokens: int) -> float:
         return self.cost_table.step_seconds(1, num_tokens, num_tokens)
 
+    def _plain(self) -> Proposal:
+        return Proposal("plain", 0, 1.0 / (self.scale(0) * self._verify_seconds(1)))
+
     def ngram_option(self, proposal: NgramProposal) -> Proposal:
         """The best prefix of the n-gram proposal (0 tokens: a plain round)."""
         survival = self.ngram.survival(proposal.match_length, len(proposal.tokens))
         scale = self.scale(0)
-        best, tau = Proposal("plain", 0, 1.0 / (scale * self._verify_seconds(1))), 1.0
+        best, tau = self._plain(), 1.0
         for length, alive in enumerate(survival, start=1):
             tau += alive
             theta = tau / (scale * self._verify_seconds(1 + length))
@@ -155,7 +166,7 @@ class HybridChooser:
         """A DSpark round drafting ``depth`` slots, priced on the survival estimate of earlier rounds
         (None: nothing known yet, which is taken as worth trying)."""
         if depth <= 0:
-            return Proposal("plain", 0, 1.0 / (self.scale(0) * self._verify_seconds(1)))
+            return self._plain()
         if survival is None:
             return Proposal("dspark", depth, float("inf"))
         tau = 1.0 + sum(survival[:depth])
