@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 from .drafting import draft_block
 from .hybrid import HybridChooser, anchored_survival, check_lookup_settings, ngram_continuation, one_hot_logits
@@ -82,6 +83,13 @@ class HiddenStateCandidateGenerator(CandidateGenerator):
         self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
         self.eos_token_ids = getattr(generation_config, "_eos_token_tensor", None)
         self.max_length = generation_config.max_length
+        self.generation_config = generation_config
+        # Transformers checks stopping criteria after a whole accepted block; EOS and max_length it also cuts
+        # inside the block, the others (stop strings, custom criteria) are cut here (`_cut_at_stop`)
+        criteria = getattr(generation_config, "_dspark_stopping_criteria", None) or []
+        self.stopping_criteria = StoppingCriteriaList(
+            c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))
+        )
         self.cache = DynamicCache()
         self.stats = DSparkGenerationStats()
         drafter.last_stats = self.stats
@@ -95,7 +103,47 @@ class HiddenStateCandidateGenerator(CandidateGenerator):
     def _pending_round(self, round_: DSparkRound | None) -> None:
         self.stats.pending = round_
 
+    @torch.no_grad()
+    def get_candidates(self, input_ids: torch.LongTensor, model_kwargs=None, model_outputs=None, is_first_iteration: bool = False, **kwargs):
+        if is_first_iteration:
+            return input_ids, None  # the target's prefill runs first; drafting needs its hidden states
+        candidate_ids, candidate_logits = self._propose(input_ids, model_outputs)
+        return self._cut_at_stop(input_ids, candidate_ids, candidate_logits)
+
+    def _propose(self, input_ids: torch.LongTensor, model_outputs) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """One round's candidates: ``input_ids`` with the proposed tokens appended, and the processed logits each
+        was sampled from (None: nothing proposed)."""
+        raise NotImplementedError
+
+    def _cut_at_stop(self, input_ids, candidate_ids, candidate_logits):
+        """End the proposal on its first token after which a stopping criterion fires, and let the round keep no
+        more than that many tokens, so the output ends exactly where plain decoding would stop.
+
+        Assisted decoding keeps the accepted drafts plus one target token; if every draft up to the stop is
+        accepted, that extra token would come after the stop, so the round's token budget
+        (``generation_config.max_length``, read after verification) is lowered to end on the stop and restored
+        in ``update_candidate_strategy``. Lossless under sampling: whether later slots are proposed depends only
+        on tokens already proposed, and what is cut lies after the stop."""
+        num_proposed = candidate_ids.shape[1] - input_ids.shape[1]
+        if not self.stopping_criteria or candidate_logits is None or num_proposed == 0:
+            return candidate_ids, candidate_logits
+        cur_len = input_ids.shape[1]
+        for k in range(1, num_proposed + 1):
+            if bool(self.stopping_criteria(candidate_ids[:, : cur_len + k], None).any()):
+                self.generation_config.max_length = min(self.max_length, cur_len + k)
+                round_ = self._pending_round
+                if round_ is not None:
+                    round_.verified = min(round_.verified, k)
+                    round_.confidence_logits = round_.confidence_logits[:k]
+                self._stop_cut(k)
+                return candidate_ids[:, : cur_len + k], candidate_logits[:, :k]
+        return candidate_ids, candidate_logits
+
+    def _stop_cut(self, num_kept: int) -> None:
+        """Hook for subclasses that track the round's verified length elsewhere."""
+
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
+        self.generation_config.max_length = self.max_length
         if self._pending_round is not None:
             self._pending_round.accepted = int(num_matches)
             self.stats.rounds.append(self._pending_round)
@@ -172,18 +220,7 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
         self._unseen_features = None  # target features of tokens the drafter has not read (rounds without drafting)
         self._round_timing = None  # (start, depth, verified) of the round in flight, for the measured-cost ratio
 
-    @torch.no_grad()
-    def get_candidates(
-        self,
-        input_ids: torch.LongTensor,
-        model_kwargs: dict[str, Any] | None = None,
-        model_outputs=None,
-        is_first_iteration: bool = False,
-        n_last_matches: int = 0,
-        **kwargs,
-    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
-        if is_first_iteration:
-            return input_ids, None  # the target's prefill runs first; drafting needs its hidden states
+    def _propose(self, input_ids: torch.LongTensor, model_outputs) -> tuple[torch.LongTensor, torch.Tensor | None]:
         start = time.perf_counter()
         # Room left for drafts plus the bonus token. When it is gone, this is the last round, so the drafter's
         # context does not need to be brought up to date.
@@ -278,6 +315,11 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
             return input_ids, None
         tokens = block.tokens[:, :verified].to(input_ids.device)
         return torch.cat([input_ids, tokens], dim=-1), block.logits[:, :verified]
+
+    def _stop_cut(self, num_kept: int) -> None:
+        if self._round_timing is not None:
+            start, depth, verified = self._round_timing
+            self._round_timing = (start, depth, min(verified, num_kept))
 
     def _choice_survival(self, survival: list[float] | None, depth: int) -> list[float]:
         """What stage 2 of the hybrid choice may read of the drafted block: its calibrated ``c_1`` (the anchor's),

@@ -29,10 +29,7 @@ class Eagle3CandidateGenerator(HiddenStateCandidateGenerator):
     def _embed(self, ids: torch.LongTensor) -> torch.Tensor:
         return self.input_embeddings(ids.to(self.input_embeddings.weight.device)).to(self.drafter.device)
 
-    @torch.no_grad()
-    def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, n_last_matches=0, **kwargs):
-        if is_first_iteration:
-            return input_ids, None
+    def _propose(self, input_ids, model_outputs):
         start = time.perf_counter()
         max_tokens = min(self.num_draft_tokens, self.max_length - input_ids.shape[1] - 1)
         if max_tokens <= 0:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import DynamicCache
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
 from .depth_planner import DepthPlanner
 from .drafting import draft_block
@@ -77,6 +78,8 @@ class EngineRequest:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     eos_token_ids: frozenset[int] = frozenset()
+    top_k: int = 0  # 0 = off
+    stopping_criteria: StoppingCriteriaList | None = None  # stop strings and custom criteria, checked token by token
     on_tokens: Callable[[int, list[int]], None] | None = None  # streaming: (request_id, newly accepted tokens)
     output_ids: list[int] = field(default_factory=list)
     finished: bool = False
@@ -218,9 +221,17 @@ class DSparkEngine:
     # ------------------------------------------------------------------------------------------ requests
     def add_request(
         self, prompt_ids: Sequence[int] | torch.Tensor, *, max_new_tokens: int = 128, temperature: float = 0.0,
-        top_p: float = 1.0, eos_token_id: int | Sequence[int] | None = None, on_tokens=None,
+        top_p: float = 1.0, top_k: int = 0, eos_token_id: int | Sequence[int] | None = None,
+        stop_strings: str | Sequence[str] | None = None, tokenizer=None,
+        stopping_criteria: Sequence[StoppingCriteria] | None = None, repetition_penalty: float = 1.0, on_tokens=None,
     ) -> int:  # fmt: skip
-        """Queue a request (joins at the next step); returns its id."""
+        """Queue a request (joins at the next step); returns its id.
+
+        Sampling: ``temperature`` (0 = greedy), ``top_k`` (0 = off) and ``top_p``, applied as Transformers' warpers
+        are. Stopping, as ``generate()`` does and checked after every committed token, so the output ends exactly
+        where plain decoding would: ``eos_token_id`` (one id or a list: stop token ids; default the target's EOS),
+        ``stop_strings`` (with the ``tokenizer`` that decodes them) and ``stopping_criteria`` (Transformers'
+        ``StoppingCriteria``, called with the prompt and the output so far, ``scores=None``)."""
         if isinstance(prompt_ids, torch.Tensor):
             if prompt_ids.dim() == 2 and prompt_ids.shape[0] != 1:
                 raise ValueError("add_request takes one prompt; call it once per request")
@@ -232,8 +243,23 @@ class DSparkEngine:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if temperature < 0 or not 0 < top_p <= 1:
             raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+        if repetition_penalty != 1.0:
+            raise ValueError(
+                f"repetition_penalty={repetition_penalty} is not supported by DSparkEngine (it would have to penalise each "
+                "draft position by the tokens drafted before it); use generate(assistant_model=drafter), which applies it exactly"
+            )
+        criteria = StoppingCriteriaList(stopping_criteria or [])
+        if stop_strings:
+            if tokenizer is None:
+                raise ValueError("stop_strings need the tokenizer that decodes the tokens: add_request(..., tokenizer=tok)")
+            criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
         eos = self.default_eos if eos_token_id is None else frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
-        request = EngineRequest(self._next_id, prompt_ids, max_new_tokens, float(temperature), float(top_p), eos, on_tokens)
+        request = EngineRequest(
+            self._next_id, prompt_ids, max_new_tokens, float(temperature), float(top_p), eos, int(top_k),
+            criteria or None, on_tokens,
+        )  # fmt: skip
         self._next_id += 1
         self.waiting.append(request)
         return request.request_id
@@ -253,11 +279,13 @@ class DSparkEngine:
         return [self.finished[i].output_ids for i in ids]
 
     # ------------------------------------------------------------------------------------------ one step
-    def _settings(self, requests):
+    def _sampling(self, requests):
+        """Each row's processing of logits [R, ..., V] (temperature, top-k, top-p) and which rows are greedy."""
         device = self.target.device
         temperature = torch.tensor([r.temperature for r in requests], device=device)
         top_p = torch.tensor([r.top_p for r in requests], device=device)
-        return temperature, top_p, temperature <= 0
+        top_k = torch.tensor([r.top_k for r in requests], device=device)
+        return (lambda logits: process_logits(logits, temperature, top_p, top_k)), temperature <= 0
 
     def _feature_kwargs(self):
         if self.drafter is None:
@@ -279,8 +307,8 @@ class DSparkEngine:
             cache=cache, use_cache=True, **self._feature_kwargs(),
         )  # fmt: skip
         rows = torch.arange(len(new), device=device)
-        temperature, top_p, greedy = self._settings(new)
-        last = process_logits(out.logits[rows, lengths - 1].float(), temperature, top_p)
+        process, greedy = self._sampling(new)
+        last = process(out.logits[rows, lengths - 1].float())
         first = sample_tokens(last, greedy).tolist()
         features = self.drafter.context_features(out.hidden_states) if self.drafter is not None else None
         self.target_cache.append_rows(RaggedCache(cache, valid.cpu()))
@@ -320,10 +348,10 @@ class DSparkEngine:
         for r in requests:
             r.pending_features = None
         # the whole block goes through the backbone (its slots attend to each other), the LM head only where sampled
-        temperature, top_p, greedy = self._settings(requests)
+        process, greedy = self._sampling(requests)
         block = draft_block(
             drafter, out.last_hidden_state, self.lm_head, anchors, num_slots=depth, greedy=greedy,
-            logits_processor=lambda ids, logits: process_logits(logits, temperature, top_p),
+            logits_processor=lambda ids, logits: process(logits),
         )  # fmt: skip
         return block.tokens, block.logits, block.confidence_logits
 
@@ -433,8 +461,8 @@ class DSparkEngine:
             position_ids=anchors_pos[:, None] + torch.arange(q_len, device=device)[None], cache=self.target_cache.cache,
             use_cache=True, **self._feature_kwargs(),
         )  # fmt: skip
-        temperature, top_p, greedy = self._settings(requests)
-        target_logits = process_logits(out.logits.float(), temperature, top_p)
+        process, greedy = self._sampling(requests)
+        target_logits = process(out.logits.float())
         accepted, next_token = verify_drafts(
             target_logits, draft_logits[:, :longest] if draft_logits is not None else None, ids[:, 1:], lengths_t, greedy
         )
@@ -484,11 +512,12 @@ class DSparkEngine:
         return tokens, q
 
     def _commit(self, request: EngineRequest, tokens: list[int]) -> None:
-        """Append tokens, cut at EOS or the token limit, stream them."""
+        """Append tokens, cut after the first one that ends the request (EOS, a stopping criterion) or at the
+        token limit, stream them."""
         room = request.max_new_tokens - len(request.output_ids)
         tokens = tokens[:room]
         for j, t in enumerate(tokens):
-            if t in request.eos_token_ids:
+            if t in request.eos_token_ids or self._stops(request, tokens[: j + 1]):
                 tokens = tokens[: j + 1]
                 request.finished = True
                 break
@@ -497,6 +526,14 @@ class DSparkEngine:
             request.finished = True
         if request.on_tokens is not None and tokens:
             request.on_tokens(request.request_id, tokens)
+
+    @staticmethod
+    def _stops(request: EngineRequest, tokens: list[int]) -> bool:
+        """Whether the request's stopping criteria fire once ``tokens`` are appended to its output."""
+        if request.stopping_criteria is None:
+            return False
+        ids = torch.tensor([request.prompt_ids + request.output_ids + tokens])
+        return bool(request.stopping_criteria(ids, None).any())
 
     def _retire(self) -> list[EngineRequest]:
         done = [r for r in self.active if r.finished]

@@ -123,8 +123,24 @@ def _accept_dspark_keywords(original):
     return _prepare_generation_config
 
 
+def _hand_over_stopping_criteria(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _assisted_decoding(self, *args, **kwargs):
+        # the candidate generator is built inside and is not given the criteria, which it needs to end a block
+        # on a stop (assisted decoding checks them only after a whole block)
+        call = signature.bind(self, *args, **kwargs).arguments
+        if is_hidden_state_drafter(call.get("assistant_model")):
+            call["generation_config"]._dspark_stopping_criteria = call["stopping_criteria"]
+        return original(self, *args, **kwargs)
+
+    return _assisted_decoding
+
+
 # GenerationMixin method -> wrapper factory
 _WRAPPERS = {
+    "_assisted_decoding": _hand_over_stopping_criteria,
     "_get_candidate_generator": _route_candidate_generator,
     "_validate_generation_mode": _check_dspark_assistant,
     "_prepare_generation_config": _accept_dspark_keywords,
@@ -180,6 +196,7 @@ def dspark_generate(
     of the call only (not thread-safe for one model shared by several threads)."""
     if not is_hidden_state_drafter(dspark_model):
         raise ValueError("dspark_generate needs dspark_model=<a DSpark or Eagle3 drafter>")
+    generation_config._dspark_stopping_criteria = stopping_criteria
     generator = _build_generator(model, dspark_model, generation_config, input_ids, model_kwargs, logits_processor)
     model._get_candidate_generator = lambda **_: generator
     try:

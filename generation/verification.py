@@ -1,8 +1,8 @@
 """Batched, per-row sampling settings and the speculative verification rule for ragged drafts.
 
-Rows decode greedily (``temperature == 0``) or sample from ``softmax(top_p(logits / T))`` with their own T and
-top-p (top-p as Transformers' ``TopPLogitsWarper``: drop the smallest tokens whose total mass is at most
-``1 - top_p``). Verification of row r's first ``l_r`` drafts: greedy rows accept while the draft is the
+Rows decode greedily (``temperature == 0``) or sample from ``softmax(top_p(top_k(logits / T)))`` with their own
+T, top-k and top-p, in Transformers' order and with its warpers' rules (top-k keeps the k largest logits and their
+ties; top-p drops the smallest tokens whose total mass is at most ``1 - top_p``). Verification of row r's first ``l_r`` drafts: greedy rows accept while the draft is the
 target's argmax; sampled rows accept draft x with probability ``min(1, p(x) / q(x))`` and on the first
 rejection draw from ``norm(max(p - q, 0))`` (Leviathan et al.), else the bonus token from ``p``. The
 output of every row is distributed as the row's processed target distribution.
@@ -17,12 +17,19 @@ from modeling_dspark.markov_head import sample_categorical
 __all__ = ["process_logits", "sample_tokens", "verify_drafts"]
 
 
-def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """``logits`` [R, ..., V] float; ``temperature`` / ``top_p`` [R]. Greedy rows (T = 0) are returned as is."""
+def process_logits(
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``logits`` [R, ..., V] float; ``temperature`` / ``top_p`` / ``top_k`` [R] (top-k 0: off). Greedy rows (T = 0)
+    are returned as is."""
     shape = (-1,) + (1,) * (logits.dim() - 1)
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature).view(shape).to(logits.dtype)
     scaled = logits / t
+    if top_k is not None and bool((top_k > 0).any()):
+        k = torch.where(top_k > 0, top_k, logits.shape[-1]).clamp(max=logits.shape[-1])
+        kth = scaled.sort(dim=-1, descending=True).values.gather(-1, (k - 1).view(shape).expand(*scaled.shape[:-1], 1))
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if bool((top_p < 1.0).any()):
         sorted_logits, order = scaled.sort(dim=-1, descending=False)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)

@@ -1,7 +1,6 @@
 """The batched engine: every request's greedy output equals its own plain greedy decoding, sampled outputs have
 the target's distribution, under every scheduler, with requests of different lengths joining and leaving."""
 
-import itertools
 import math
 
 import pytest
@@ -12,7 +11,7 @@ import generation.depth_planner as depth_planner_module
 import generation.engine as engine_module
 from generation import DSparkEngine
 from generation.scheduler import CostTable, DraftCost, PaddedCostTable
-from generation.verification import process_logits
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from tiny_models import bigram_target, oracle_drafter, tiny_drafter, tiny_target
 
 COST = CostTable.from_dict({1: 100.0, 4: 95.0, 8: 90.0, 16: 80.0, 32: 60.0, 64: 40.0, 128: 20.0})
@@ -127,40 +126,74 @@ def test_broken_acceptance_is_detected(monkeypatch):
     assert chi_square_pvalue(counts, exact_distribution(peaked_target()), sum(counts.values())) < 1e-3
 
 
-def exact_processed_distribution(target, temperature, top_p):
-    """Like ``exact_distribution``, with temperature and top-p applied at every position."""
-    seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW)))
-    full = torch.cat([PROMPT.expand(len(seqs), -1), seqs], dim=1)
-    start = PROMPT.shape[1] - 1
-    with torch.no_grad():
-        logits = target(full).logits.float()[:, start : start + NEW]
-    n = len(seqs)
-    processed = process_logits(logits, torch.full((n,), temperature), torch.full((n,), top_p))
-    logp = torch.log_softmax(processed, dim=-1).gather(-1, seqs[..., None]).squeeze(-1).sum(-1)
-    return {tuple(s.tolist()): float(p) for s, p in zip(seqs, logp.exp())}
+def exact_processed_distribution(target, temperature, top_p, top_k=0):
+    """``exact_distribution`` under Transformers' own warpers for these settings (the oracle is not our code)."""
+    warpers = [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
+    warpers += [TopKLogitsWarper(top_k)] if top_k else []
+    warpers += [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
+    return exact_distribution(target, processors=LogitsProcessorList(warpers))
 
 
-def test_rows_with_different_temperature_and_top_p_follow_their_own_distribution():
+def test_rows_with_different_temperature_top_k_and_top_p_follow_their_own_distribution():
     """Rows with different settings in one batch: each follows its own processed target distribution."""
     target = peaked_target()
     drafter = tiny_drafter(target, seed=7)
     torch.manual_seed(1)
-    settings = [(0.5, 1.0), (1.0, 1.0), (1.0, 0.8)]
+    settings = [(0.5, 1.0, 0), (1.0, 1.0, 0), (1.0, 0.8, 0), (1.0, 1.0, 2)]
     counts = {s: {} for s in settings}
     for _ in range(150):
         engine = DSparkEngine(target, drafter, scheduler="fixed", num_verify=3)
-        ids = {s: [engine.add_request(PROMPT[0].tolist(), max_new_tokens=NEW, temperature=s[0], top_p=s[1]) for _ in range(6)] for s in settings}
+        ids = {
+            s: [engine.add_request(PROMPT[0].tolist(), max_new_tokens=NEW, temperature=s[0], top_p=s[1], top_k=s[2]) for _ in range(6)]
+            for s in settings
+        }
         while engine.has_work():
             engine.step()
         for s, rids in ids.items():
             for rid in rids:
                 key = tuple(engine.finished[rid].output_ids)
                 counts[s][key] = counts[s].get(key, 0) + 1
-    for (t, p), c in counts.items():
-        expected = exact_processed_distribution(target, t, p)
-        assert chi_square_pvalue(c, expected, sum(c.values())) > 1e-3, f"T={t}, top_p={p}"
-    # the settings really differ: top-p 0.8 removes sequences that T=1 produces
+    for s, c in counts.items():
+        assert chi_square_pvalue(c, exact_processed_distribution(target, *s), sum(c.values())) > 1e-3, f"T, top_p, top_k = {s}"
+    # the settings really differ: top-p 0.8 and top-k 2 remove sequences that T=1 produces
     assert any(v == 0.0 for v in exact_processed_distribution(target, 1.0, 0.8).values())
+    assert any(v == 0.0 for v in exact_processed_distribution(target, 1.0, 1.0, 2).values())
+
+
+def test_requests_stop_where_plain_generate_stops():
+    """Stop strings, custom criteria and stop token ids per request, firing inside accepted blocks."""
+    from test_generate_stopping import StopAfterTokens, StopAtLength, char_tokenizer
+    from transformers import StoppingCriteriaList
+
+    target = bigram_target()
+    drafter = oracle_drafter(target)  # blocks of 4 accepted whole: new tokens 1-4 and 6-9 are drafts
+    tok = char_tokenizer()
+    ps = prompts(96)
+    free = [plain_greedy(target, p, 40) for p in ps]
+    assert free[1][:4] == [20, 69, 60, 30] and free[3][:4] == [46, 88, 20, 69] and len(set(free[4][:8])) == 8
+    requests = [  # (prompt, add_request / generate() keywords); each stop first fires on a drafted token
+        (ps[0], dict(stopping_criteria=[StopAtLength(len(ps[0]) + 10)])),
+        (ps[1], dict(stopping_criteria=[StopAfterTokens(60, 30)])),
+        (ps[4], dict(stop_strings=[tok.decode(free[4][5:7])], tokenizer=tok)),
+        (ps[3], dict(eos_token_id=[69, 95])),
+        (ps[2], {}),
+    ]
+    engine = DSparkEngine(target, drafter, scheduler="fixed")
+    rids = [engine.add_request(p, max_new_tokens=40, **kw) for p, kw in requests]
+    while engine.has_work():
+        engine.step()
+    for rid, (p, kw) in zip(rids, requests):
+        gen_kw = {**kw, "stopping_criteria": StoppingCriteriaList(kw["stopping_criteria"])} if "stopping_criteria" in kw else kw
+        ref = target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=40, **gen_kw)[0, len(p) :].tolist()
+        assert engine.finished[rid].output_ids == ref, kw
+    cut_inside = 0
+    for rid in rids[:4]:
+        request = engine.finished[rid]
+        assert len(request.output_ids) < 40, "the stop must fire before the token limit"
+        *earlier, last = request.stats.rounds
+        committed_last = len(request.output_ids) - 1 - sum(r.accepted + 1 for r in earlier)  # 1: the prefill's token
+        cut_inside += committed_last < last.accepted + 1
+    assert cut_inside >= 3, "the stops must fall inside accepted blocks"
 
 
 def test_engine_refuses_bad_settings():
@@ -177,6 +210,13 @@ def test_engine_refuses_bad_settings():
         engine.add_request(torch.ones(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="max_new_tokens"):
         engine.add_request([1, 2], max_new_tokens=0)
+    with pytest.raises(ValueError, match="top_k"):
+        engine.add_request([1, 2], top_k=-1)
+    with pytest.raises(ValueError, match="repetition_penalty=1.3 is not supported by DSparkEngine"):
+        engine.add_request([1, 2], repetition_penalty=1.3)
+    with pytest.raises(ValueError, match="tokenizer"):
+        engine.add_request([1, 2], stop_strings=["x"])
+    assert not engine.waiting
 
 
 def test_profiler_measures_caches_and_the_load_benchmark_runs(tmp_path, monkeypatch):

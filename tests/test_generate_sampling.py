@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessorList, TopKLogitsWarper
 from transformers.generation import utils as generation_utils
 
 import modeling_dspark  # noqa: F401
@@ -24,20 +24,34 @@ def peaked_target():
     return tiny_target(vocab_size=VOCAB, initializer_range=0.5, seed=3, num_hidden_layers=2)
 
 
-def exact_distribution(target, top_k: int | None = None) -> dict[tuple, float]:
-    """Probability of every continuation; ``top_k`` as Transformers' ``TopKLogitsWarper`` at temperature 1."""
+def exact_distribution(target, top_k: int | None = None, processors=None, stop=None) -> dict[tuple, float]:
+    """Probability of every continuation. ``processors``: a ``LogitsProcessorList`` applied at every position to
+    the sequence so far, as ``generate()`` applies it (``top_k`` alone: Transformers' ``TopKLogitsWarper`` at
+    temperature 1). ``stop``: a ``StoppingCriteria``; a continuation ends on the first token after which it fires,
+    and the probabilities of the continuations that share that prefix add up."""
+    if top_k is not None:
+        processors = LogitsProcessorList([TopKLogitsWarper(top_k)])
     seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW)))
     full = torch.cat([PROMPT.expand(len(seqs), -1), seqs], dim=1)
+    start = PROMPT.shape[1] - 1
     with torch.no_grad():
         logits = target(full).logits.float()
-        if top_k is not None:
-            kth = logits.topk(top_k, dim=-1).values[..., -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        logp = torch.log_softmax(logits, dim=-1)
-    start = PROMPT.shape[1] - 1
-    per_token = logp[:, start : start + NEW].gather(-1, seqs[..., None]).squeeze(-1)
-    probs = per_token.sum(-1).exp()
-    return {tuple(s.tolist()): float(p) for s, p in zip(seqs, probs)}
+        logp = torch.zeros(len(seqs), dtype=torch.float64)
+        for t in range(NEW):
+            step = logits[:, start + t]
+            if processors is not None:
+                step = processors(full[:, : start + 1 + t], step)
+            logp += torch.log_softmax(step, dim=-1).gather(-1, seqs[:, t : t + 1]).squeeze(-1).double()
+    probs = logp.exp()
+    if stop is not None:
+        ends = torch.full((len(seqs),), NEW)
+        for t in range(NEW - 1, -1, -1):  # last to first: the first firing position wins
+            ends = torch.where(stop(full[:, : PROMPT.shape[1] + t + 1], None), t + 1, ends)
+    distribution: dict[tuple, float] = {}
+    for i, (s, p) in enumerate(zip(seqs.tolist(), probs.tolist())):
+        key = tuple(s[: int(ends[i])]) if stop is not None else tuple(s)
+        distribution[key] = distribution.get(key, 0.0) + p
+    return distribution
 
 
 def chi_square_pvalue(counts: dict[tuple, int], expected: dict[tuple, float], n: int) -> float:

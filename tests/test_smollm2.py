@@ -59,6 +59,27 @@ def test_shipped_drafter_hybrid_greedy_identical_fp32(smollm2_fp32):
     assert {"ngram", "dspark"} <= kinds, kinds
 
 
+def test_shipped_drafter_stops_where_plain_generate_stops_fp32(smollm2_fp32):
+    """Stop strings and a custom criterion (the report that found outputs running past the stop): identical."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from generation.cli import SHIPPED_DRAFTER
+
+    target, tokenizer = smollm2_fp32
+    drafter = DSparkModel.from_pretrained(SHIPPED_DRAFTER, dtype=torch.float32).eval()
+
+    class StopAtPeriod(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.tensor([tokenizer.decode(input_ids[0, -1:]).endswith(".")])
+
+    for prompt in PROMPTS:
+        ids = chat_ids(tokenizer, prompt)
+        for stop in (dict(stop_strings=[" is ", "\n"], tokenizer=tokenizer), dict(stopping_criteria=StoppingCriteriaList([StopAtPeriod()]))):
+            ref = target.generate(ids, do_sample=False, max_new_tokens=48, **stop)
+            out = target.generate(ids, do_sample=False, max_new_tokens=48, assistant_model=drafter, **stop)
+            assert torch.equal(ref, out), (tokenizer.decode(ref[0, ids.shape[1] :]), tokenizer.decode(out[0, ids.shape[1] :]))
+
+
 def test_sampling_runs_with_threshold(smollm2_fp32):
     target, tokenizer = smollm2_fp32
     drafter = DSparkModel.from_target(target, num_draft_layers=1, markov_rank=32).eval()
