@@ -3,7 +3,9 @@
 Transformers has no registry of candidate generators: ``GenerationMixin._get_candidate_generator`` is an
 if/elif chain. :func:`install_generate_hook` wraps it once (guarded, idempotent) so that a DSpark assistant
 gets our generator and every other assistant goes to the original chain unchanged; it also wraps
-``_validate_generation_mode`` so an incompatible drafter gets our clear error before Transformers' own checks. The no-patching form
+``_validate_generation_mode`` so an incompatible drafter gets our clear error before Transformers' own checks,
+``_prepare_generation_config`` so ``dspark_*`` settings can be passed as keywords, and ``_assisted_decoding`` so
+our generator sees the stopping criteria (to end a block on a stop). The no-patching form
 is :func:`dspark_generate`, passed as ``generate(custom_generate=dspark_generate, dspark_model=drafter)``.
 """
 
