@@ -25,7 +25,7 @@ from generation.candidate_generator import HiddenStateCandidateGenerator
 from tiny_models import bigram_target, oracle_drafter
 
 EOS = 3
-CHECKED, MUTATED = 1500, 1000  # samples; the mutations are detected at p < 1e-5 with this many (measured)
+CHECKED, MUTATED = 1500, 1000  # samples; each mutation measured at p < 2e-6 with this many (top-k the weakest)
 
 # generate() settings -> the processors it builds from them (in its order: processors, then warpers)
 SETTINGS = {
