@@ -135,12 +135,8 @@ class HiddenStateCandidateGenerator(CandidateGenerator):
                 if round_ is not None:
                     round_.verified = min(round_.verified, k)
                     round_.confidence_logits = round_.confidence_logits[:k]
-                self._stop_cut(k)
                 return candidate_ids[:, : cur_len + k], candidate_logits[:, :k]
         return candidate_ids, candidate_logits
-
-    def _stop_cut(self, num_kept: int) -> None:
-        """Hook for subclasses that track the round's verified length elsewhere."""
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         self.generation_config.max_length = self.max_length
@@ -218,7 +214,7 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
             self._planner = planner
         self.survival_estimate: list[float] | None = None  # moving average of the block's survival per slot
         self._unseen_features = None  # target features of tokens the drafter has not read (rounds without drafting)
-        self._round_timing = None  # (start, depth, verified) of the round in flight, for the measured-cost ratio
+        self._round_timing = None  # (start, depth) of the round in flight, for the measured-cost ratio (verified: its round)
 
     def _propose(self, input_ids: torch.LongTensor, model_outputs) -> tuple[torch.LongTensor, torch.Tensor | None]:
         start = time.perf_counter()
@@ -263,7 +259,7 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
         if depth == 0:  # a plain round: keep the features for the next drafter call
             self._keep_unseen(features)
             self._pending_round = DSparkRound(drafted=0, verified=0, proposal="plain", draft_seconds=time.perf_counter() - start)
-            self._round_timing = (start, 0, 0)
+            self._round_timing = (start, 0)
             return input_ids, None
         if self._unseen_features is not None:
             features, self._unseen_features = torch.cat([self._unseen_features, features], 1), None
@@ -310,16 +306,11 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
             draft_seconds=time.perf_counter() - start,
         )
         if self._planner is not None:
-            self._round_timing = (start, depth, verified)
+            self._round_timing = (start, depth)
         if verified == 0:
             return input_ids, None
         tokens = block.tokens[:, :verified].to(input_ids.device)
         return torch.cat([input_ids, tokens], dim=-1), block.logits[:, :verified]
-
-    def _stop_cut(self, num_kept: int) -> None:
-        if self._round_timing is not None:
-            start, depth, verified = self._round_timing
-            self._round_timing = (start, depth, min(verified, num_kept))
 
     def _choice_survival(self, survival: list[float] | None, depth: int) -> list[float]:
         """What stage 2 of the hybrid choice may read of the drafted block: its calibrated ``c_1`` (the anchor's),
@@ -336,7 +327,7 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
             drafted=drafted, verified=length, proposal="ngram" if length else "plain", match_length=proposal.match_length,
             draft_seconds=time.perf_counter() - start,
         )  # fmt: skip
-        self._round_timing = (start, depth, length)
+        self._round_timing = (start, depth)
         if length == 0:
             return input_ids, None
         tokens = proposal.tokens[None, :length].to(input_ids.device)
@@ -354,11 +345,11 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
         return schedule_algorithm1([survival], self.cost_table, draft_seconds=spent)[0]
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
-        if self._round_timing is not None:  # the round's wall time: drafting, verification and Transformers' own work
-            start, depth, verified = self._round_timing
-            self._planner.record_round_time(1, depth, [verified], time.perf_counter() - start)
-            self._round_timing = None
         round_ = self._pending_round
+        if self._round_timing is not None:  # the round's wall time: drafting, verification and Transformers' own work
+            start, depth = self._round_timing
+            self._planner.record_round_time(1, depth, [round_.verified], time.perf_counter() - start)
+            self._round_timing = None
         if self.hybrid is not None and round_ is not None:
             if round_.proposal == "ngram":
                 self.hybrid.ngram.record(round_.match_length, round_.verified, int(num_matches))

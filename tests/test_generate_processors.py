@@ -9,7 +9,7 @@ same way, against a mutation that leaves the block uncut."""
 import pytest
 import torch
 from test_generate_sampling import NEW, PROMPT, VOCAB, chi_square_pvalue, config, exact_distribution, sample_counts
-from test_generate_stopping import StopAfterTokens
+from test_generate_stopping import StopAfterTokens, uncut
 from transformers import (
     LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
@@ -110,6 +110,6 @@ def test_sampling_with_a_stop_inside_the_block_matches_target():
 
 
 def test_an_uncut_block_is_detected(monkeypatch):
-    monkeypatch.setattr(HiddenStateCandidateGenerator, "_cut_at_stop", lambda self, ids, cand, logits: (cand, logits))
+    monkeypatch.setattr(HiddenStateCandidateGenerator, "_cut_at_stop", uncut)
     target, criteria, counts, _ = stop_counts(MUTATED)
     assert chi_square_pvalue(counts, exact_distribution(target, stop=criteria), MUTATED) < 1e-3

@@ -40,6 +40,11 @@ class StopAtLength(StoppingCriteria):
         return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
 
 
+def uncut(self, input_ids, candidate_ids, candidate_logits):
+    """Mutation of ``_cut_at_stop``: the proposal is left as it is."""
+    return candidate_ids, candidate_logits
+
+
 def char_tokenizer(vocab_size: int = 96) -> PreTrainedTokenizerFast:
     """Id 0 is ``<unk>``, ids 1.. are the printable ASCII characters, one character per token."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -137,7 +142,7 @@ def test_hybrid_prompt_lookup_rounds_stop_too():
 
 def test_without_the_cut_the_output_runs_past_the_stop(monkeypatch):
     """The tests above can fail: with the cut disabled, DSpark keeps the block after the stop."""
-    monkeypatch.setattr(HiddenStateCandidateGenerator, "_cut_at_stop", lambda self, ids, cand, logits: (cand, logits))
+    monkeypatch.setattr(HiddenStateCandidateGenerator, "_cut_at_stop", uncut)
     target = bigram_target()
     drafter = oracle_drafter(target, block_size=6)
     free = free_run(target)
