@@ -1,5 +1,5 @@
 """Time one draw per row from a softmax over the SmolLM2 vocabulary: torch.multinomial against the inverse-CDF
-sampler the drafters and the engine use (``modeling_dspark.markov_head.sample_categorical``).
+sampler the drafters and the engine use (``generation.decoding.drafting.sample_categorical``).
 
     python benchmarks/sampler_timing.py
 """
@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from modeling_dspark.markov_head import sample_categorical
+from generation.decoding.drafting import sample_categorical
 
 
 def per_call_ms(fn, n: int = 50) -> float:

@@ -9,12 +9,15 @@ import sys
 import time
 from pathlib import Path
 
+# the parser is built before torch / transformers are imported (bad arguments fail at once), so it does not use
+# modeling_dspark.targets.add_target_arguments
+DTYPE_CHOICES = ("auto", "bf16", "fp32")
+
 __all__ = ["main"]
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, then explain it briefly."
 # Where the trained SmolLM2 drafter is shipped (training issue); a random drafter is used until it exists.
 SHIPPED_DRAFTER = Path(__file__).resolve().parents[1] / "checkpoints" / "dspark-smollm2-135m-instruct-v4"
-DTYPE_CHOICES = ("auto", "bf16", "fp32")  # auto: bf16 where the CPU multiplies bf16 fast, else fp32
 
 
 def _timed_generate(target, input_ids, **kwargs):
@@ -26,10 +29,9 @@ def _timed_generate(target, input_ids, **kwargs):
 def cmd_generate(args) -> int:
     import torch
 
+    from generation.evaluation.prompts import chat_input_ids
     from modeling_dspark import DSparkModel, load_target
     from modeling_dspark.targets import dtype_label, resolve_dtype
-
-    from .benchmark import chat_input_ids
 
     drafter_path = Path(args.drafter) if args.drafter else SHIPPED_DRAFTER
     torch.manual_seed(args.seed)
@@ -94,15 +96,15 @@ def cmd_generate(args) -> int:
 
 # sub-command -> (module whose main(argv) it runs, help)
 WORKFLOW = {
-    "prepare-data": ("modeling_dspark.data", "let the target regenerate its responses to the training prompts"),
-    "train": ("modeling_dspark.train", "train a DSpark, DFlash or Eagle3 drafter (resumable)"),
-    "bench-train": ("modeling_dspark.bench_train", "training speed (predicted positions / s) of the default recipe against the first shipped one"),
-    "calibrate": ("modeling_dspark.calibration", "Sequential Temperature Scaling of a drafter's confidence head"),
-    "adapt": ("modeling_dspark.adapt", "LoRA-adapt a trained drafter to a new domain with PEFT"),
-    "eval": ("generation.harness", "the paper's tau evaluation on the nine benchmarks, tables and plots"),
-    "bench": ("generation.speed", "wall-clock speed at batch size 1 against plain generate() and prompt lookup"),
-    "profile": ("generation.profiler", "measure the target's SPS(B) cost table (cached on disk) and plot it"),
-    "load": ("generation.load_benchmark", "batched engine throughput under load for every scheduler"),
+    "prepare-data": ("modeling_dspark.training.data", "let the target regenerate its responses to the training prompts"),
+    "train": ("modeling_dspark.training.train", "train a DSpark, DFlash or Eagle3 drafter (resumable)"),
+    "bench-train": ("modeling_dspark.training.bench_train", "training speed (predicted positions / s) of the default recipe against the first shipped one"),
+    "calibrate": ("modeling_dspark.training.calibration", "Sequential Temperature Scaling of a drafter's confidence head"),
+    "adapt": ("modeling_dspark.training.adapt", "LoRA-adapt a trained drafter to a new domain with PEFT"),
+    "eval": ("generation.evaluation.harness", "the paper's tau evaluation on the nine benchmarks, tables and plots"),
+    "bench": ("generation.evaluation.speed", "wall-clock speed at batch size 1 against plain generate() and prompt lookup"),
+    "profile": ("generation.evaluation.cost_plots", "measure the target's SPS(B) cost table (cached on disk) and plot it"),
+    "load": ("generation.evaluation.load_benchmark", "batched engine throughput under load for every scheduler"),
     "card": ("hub_cards.cards", "write a drafter folder's model card (README.md) from its config and results"),
     "push": ("hub_cards.push", "upload a drafter folder to the Hugging Face Hub (remote code included)"),
     "demo": ("hub_cards.space.app", "the Gradio demo: plain and DSpark generation side by side, in the browser"),

@@ -10,13 +10,26 @@ import argparse
 import json
 from pathlib import Path
 
-__all__ = ["push_drafter", "remote_code_files"]
+from modeling_dspark.checkpoint.remote_code import payload_problems
+
+__all__ = ["drafter_class", "push_drafter", "remote_code_files"]
 
 WEIGHTS = ("model.safetensors", "adapter_model.safetensors")
 
 
+def drafter_class(model_type: str | None):
+    """The drafter class of a folder's ``model_type``."""
+    from modeling_dspark import DSparkModel, Eagle3DrafterModel
+
+    classes = {"dspark": DSparkModel, "eagle3_drafter": Eagle3DrafterModel}
+    if model_type not in classes:
+        raise ValueError(f"model_type {model_type!r} is not a drafter of this project ({', '.join(classes)})")
+    return classes[model_type]
+
+
 def remote_code_files(folder: str | Path) -> list[str]:
-    """The files a drafter folder must carry, checked: config, weights, card, and the modules of its auto_map."""
+    """The files a drafter folder must carry, checked: config, weights, card, and its remote code, which must be
+    what the source generates now."""
     folder = Path(folder)
     config_path = folder / "config.json"
     adapter = (folder / "adapter_config.json").is_file()
@@ -31,7 +44,10 @@ def remote_code_files(folder: str | Path) -> list[str]:
         auto_map = json.loads(config_path.read_text()).get("auto_map") or {}
         if not auto_map:
             raise ValueError(f"{config_path} has no auto_map: save the drafter with this package so it carries its code")
-        needed += sorted({ref.split(".")[0] + ".py" for ref in auto_map.values()})
+        problems = payload_problems(folder, drafter_class(json.loads(config_path.read_text()).get("model_type")))
+        if problems:
+            raise ValueError(f"{folder}'s remote code is not what the source generates ({'; '.join(problems)}): save the drafter again")
+        needed += sorted(path.name for path in folder.glob("*.py"))
     if not (folder / "README.md").is_file():
         raise FileNotFoundError(f"{folder} has no README.md model card: run python -m hub_cards.cards {folder}")
     needed.append("README.md")

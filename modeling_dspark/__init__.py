@@ -1,35 +1,27 @@
-"""What a DSpark checkpoint is: configuration, drafter, heads, and the embedded default targets.
+"""The DSpark drafters: what a checkpoint is (``modeling_dspark.checkpoint``) and how it is trained
+(``modeling_dspark.training``), with the embedded default targets.
 
-Importing this package registers ``model_type="dspark"`` with ``AutoConfig``/``AutoModel`` and installs the
-guarded hook that routes ``target.generate(assistant_model=<DSpark drafter>)`` to DSpark drafting.
+Importing this package registers ``model_type="dspark"`` and ``"eagle3_drafter"`` with ``AutoConfig`` /
+``AutoModel``. Building or loading a drafter installs the guarded hook that routes
+``target.generate(assistant_model=drafter)`` to DSpark drafting (``generation.decoding.hooks``).
 """
 
 from transformers import AutoConfig, AutoModel
 
-from .configuration_dspark import DSparkConfig
-from .configuration_eagle3 import Eagle3DrafterConfig
-from .confidence_head import DSparkConfidenceHead, cumulative_survival
-from .markov_head import RNNMarkovHead, VanillaMarkovHead, build_markov_head
-from .modeling_dspark import DSparkModel, DSparkModelOutput, DSparkPreTrainedModel, build_target_layer_ids
-from .modeling_eagle3 import Eagle3DrafterModel
+from .checkpoint.confidence_head import DSparkConfidenceHead, calibrated_confidence, prefix_survival
+from .checkpoint.config import DSparkConfig
+from .checkpoint.eagle3_config import Eagle3DrafterConfig
+from .checkpoint.eagle3_model import Eagle3DrafterModel
+from .checkpoint.markov_head import RNNMarkovHead, VanillaMarkovHead, build_markov_head
+from .checkpoint.model import DSparkModel, DSparkModelOutput, DSparkPreTrainedModel, build_target_layer_ids
 from .targets import KNOWN_TARGETS, load_target, locate_gguf
 
 AutoConfig.register("dspark", DSparkConfig, exist_ok=True)
 AutoModel.register(DSparkConfig, DSparkModel, exist_ok=True)
 AutoConfig.register("eagle3_drafter", Eagle3DrafterConfig, exist_ok=True)  # the paper's autoregressive baseline
 AutoModel.register(Eagle3DrafterConfig, Eagle3DrafterModel, exist_ok=True)
-# save_pretrained copies configuration_dspark.py / modeling_dspark.py and writes auto_map, so the folder
-# loads with trust_remote_code where this package is not installed.
-DSparkConfig.register_for_auto_class()
-DSparkModel.register_for_auto_class("AutoModel")
-Eagle3DrafterConfig.register_for_auto_class()
-Eagle3DrafterModel.register_for_auto_class("AutoModel")
 
-from generation.hooks import install_generate_hook  # noqa: E402  (needs the classes above)
-
-install_generate_hook()
-
-_LAZY = {"DSparkCollator": "trainer", "DSparkTrainer": "trainer", "DSparkTrainingArguments": "trainer"}
+_LAZY = {"DSparkCollator": "training.trainer", "DSparkTrainer": "training.trainer", "DSparkTrainingArguments": "training.trainer"}
 
 
 def __getattr__(name):
@@ -37,7 +29,7 @@ def __getattr__(name):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        return getattr(importlib.import_module(f"modeling_dspark.{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -57,7 +49,8 @@ __all__ = [
     "VanillaMarkovHead",
     "build_markov_head",
     "build_target_layer_ids",
-    "cumulative_survival",
+    "calibrated_confidence",
     "load_target",
     "locate_gguf",
+    "prefix_survival",
 ]

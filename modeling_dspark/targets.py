@@ -134,3 +134,18 @@ def load_target(name: str = "smollm2-135m-instruct", *, dtype: torch.dtype | str
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return model, tokenizer
+
+
+DTYPE_CHOICES = ("auto", "bf16", "fp32")
+
+
+def add_target_arguments(parser, *, dtype: bool = True) -> None:
+    """``--target`` (an embedded target) and, unless ``dtype=False``, ``--dtype``: the options every command shares."""
+    parser.add_argument("--target", default="smollm2-135m-instruct", choices=sorted(KNOWN_TARGETS), help="embedded target")
+    if dtype:
+        parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 where this CPU multiplies bf16 fast, else fp32")
+
+
+def target_from_args(args):
+    """``(target, tokenizer)`` of the parsed ``--target`` / ``--dtype``."""
+    return load_target(args.target, dtype=resolve_dtype(getattr(args, "dtype", "auto")))

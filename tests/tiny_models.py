@@ -1,4 +1,4 @@
-"""Tiny randomly initialised targets and drafters for tests (no downloads)."""
+"""Tiny randomly initialised targets and drafters, tiny tokenizers, stopping criteria and data for tests (no downloads)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    PreTrainedTokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
+    StoppingCriteria,
 )
 
-from modeling_dspark import DSparkModel
+from modeling_dspark import DSparkModel, Eagle3DrafterModel
 
 COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 
@@ -62,3 +64,69 @@ def oracle_drafter(target, **overrides) -> DSparkModel:
         drafter.markov_head.markov_w1.weight.copy_(normed)
         drafter.markov_head.markov_w2.weight.copy_(target.lm_head.weight)
     return drafter
+
+
+def bigram_dataset(target, n=48, length=24, seed=0):
+    """Sequences sampled from a bigram target, so the drafter has something learnable."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    with torch.no_grad():
+        probs = torch.softmax(target(torch.arange(target.config.vocab_size)[:, None]).logits[:, 0], -1)
+    for _ in range(n):
+        ids = [int(torch.randint(1, target.config.vocab_size, (1,), generator=g))]
+        for _ in range(length - 1):
+            ids.append(int(torch.multinomial(probs[ids[-1]], 1, generator=g)))
+        rows.append({"input_ids": ids, "loss_mask": [0] * 4 + [1] * (length - 4)})
+    from datasets import Dataset
+
+    return Dataset.from_list(rows)
+
+
+def tiny_eagle3(target, seed=1, **overrides):
+    torch.manual_seed(seed)
+    return Eagle3DrafterModel.from_target(target, **{"ttt_length": 4, **overrides}).eval()
+
+
+class StopAfterTokens(StoppingCriteria):
+    """Fires when the sequence ends with ``tokens``."""
+
+    def __init__(self, *tokens: int):
+        self.tokens = torch.tensor(tokens)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        n = len(self.tokens)
+        if input_ids.shape[1] < n:
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        return (input_ids[:, -n:] == self.tokens).all(-1)
+
+
+class StopAtLength(StoppingCriteria):
+    """Fires once the sequence (prompt included) is ``length`` tokens long: a criterion that is not Transformers'
+    ``MaxLengthCriteria``, so assisted decoding does not cut at it by itself."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+def char_tokenizer(vocab_size: int = 96) -> PreTrainedTokenizerFast:
+    """Id 0 is ``<unk>``, ids 1.. are the printable ASCII characters, one character per token."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, **{chr(32 + i): i + 1 for i in range(vocab_size - 1)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+
+
+class ByteChat:
+    """Stands in for a tokenizer: the chat template is the prompt's bytes folded into the vocabulary."""
+
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def apply_chat_template(self, messages, **_):
+        return [1 + b % (self.vocab - 1) for b in messages[0]["content"].encode()[:10]]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from transformers.configuration_utils import PreTrainedConfig
 
-__all__ = ["DSparkConfig", "MARKOV_HEAD_TYPES", "TRUNCATION_MODES"]
+__all__ = ["DSparkConfig", "MARKOV_HEAD_TYPES", "TRUNCATION_MODES", "check_draft_vocab_size", "check_field_types"]
 
 MARKOV_HEAD_TYPES = ("vanilla", "rnn")
 TRUNCATION_MODES = ("fixed", "threshold")
@@ -57,6 +57,10 @@ class DSparkConfig(PreTrainedConfig):
             Threshold on the cumulative survival ``prod_i c_i``; 0 keeps every position.
         num_anchors (`int`, defaults to 512):
             Anchors sampled per training sequence.
+        draft_vocab_size (`int`, *optional*):
+            Size of the draft vocabulary (the target ids in the ``d2t`` buffer, ``target_id = draft_id + d2t[draft_id]``):
+            the drafter's logits and the Markov head live over these tokens only. `None` drafts over the whole
+            target vocabulary.
         The remaining fields describe the draft layers and default to the target's values.
     """
 
@@ -75,6 +79,7 @@ class DSparkConfig(PreTrainedConfig):
     confidence_with_markov: bool = True
     mask_token_id: int | None = None
     num_anchors: int = 512
+    draft_vocab_size: int | None = None
     # calibration and inference defaults
     confidence_temperatures: list[float] | None = None
     truncation: str = "threshold"
@@ -104,6 +109,7 @@ class DSparkConfig(PreTrainedConfig):
             self.target_hidden_size = self.hidden_size
         if self.target_layer_ids is None:
             self.target_layer_ids = [0]
+        check_field_types(self, DSPARK_FIELD_TYPES)
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         super().__post_init__(**kwargs)
         self.validate_dspark()
@@ -144,3 +150,34 @@ class DSparkConfig(PreTrainedConfig):
                 raise ValueError(f"confidence_temperatures must be positive, got {self.confidence_temperatures}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        check_draft_vocab_size(self)
+
+
+# field -> (what it must be, check); a config from code or a hand-edited config.json gets one clear error per field
+_INT = ("an int", lambda v: isinstance(v, int) and not isinstance(v, bool))
+_OPT_INT = ("an int or null", lambda v: v is None or _INT[1](v))
+_NUMBER = ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+_BOOL = ("true or false", lambda v: isinstance(v, bool))
+_INT_LIST = ("a list of ints", lambda v: isinstance(v, (list, tuple)) and all(_INT[1](i) for i in v))
+DSPARK_FIELD_TYPES = {
+    "block_size": _INT, "num_draft_layers": _INT, "target_layer_ids": _INT_LIST, "num_target_layers": _OPT_INT,
+    "markov_rank": _INT, "confidence_head": _BOOL, "confidence_with_markov": _BOOL, "mask_token_id": _OPT_INT,
+    "num_anchors": _INT, "draft_vocab_size": _OPT_INT, "confidence_threshold": _NUMBER, "vocab_size": _INT,
+    "hidden_size": _INT, "num_attention_heads": _INT, "num_key_value_heads": _INT,
+    "confidence_temperatures": ("a list of numbers or null", lambda v: v is None or (isinstance(v, (list, tuple)) and all(_NUMBER[1](t) for t in v))),
+}  # fmt: skip
+
+
+def check_field_types(config, types: dict) -> None:
+    """A `ValueError` naming the field, its value and what is allowed, for a field of the wrong type."""
+    for name, (allowed, ok) in types.items():
+        value = getattr(config, name, None)
+        if not ok(value):
+            raise ValueError(f"{type(config).__name__}.{name} must be {allowed}, got {value!r} ({type(value).__name__})")
+
+
+def check_draft_vocab_size(config) -> None:
+    """``draft_vocab_size`` is None (the whole vocabulary) or in [1, vocab_size]."""
+    size = config.draft_vocab_size
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= config.vocab_size):
+        raise ValueError(f"draft_vocab_size must be None or an int in [1, vocab_size={config.vocab_size}], got {size!r}")

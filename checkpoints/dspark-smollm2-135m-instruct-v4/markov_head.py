@@ -3,7 +3,7 @@
 Both add a bias ``B_k`` to the parallel backbone's logits ``U_k`` before an ordinary softmax (Eq. 4), so
 every per-token draft probability is exact, which lossless rejection sampling needs. Each head has
 two verbs: ``apply_step_logits`` for one position given the previously sampled token (the drafting loop,
-``generation.drafting.draft_block``) and ``apply_block_logits``, the teacher-forced form used in training.
+``generation.decoding.drafting.draft_block``) and ``apply_block_logits``, the teacher-forced form used in training.
 Both index tokens by their *draft* index (``DraftVocabMixin.draft_index``): ``W2`` produces logits over the
 draft vocabulary, and with a reduced one ``W1`` has an extra last row shared by every token outside it.
 """
@@ -13,22 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["VanillaMarkovHead", "RNNMarkovHead", "build_markov_head", "sample_categorical"]
-
-
-def sample_categorical(probs: torch.Tensor) -> torch.LongTensor:
-    """One exact draw per row of ``probs`` [..., V] (non-negative, any total) by inverting the CDF.
-
-    One uniform per row instead of the V random numbers ``torch.multinomial`` draws: on a 2-core CPU and a 49k
-    vocabulary 0.07 ms against 0.79 ms for one row, 6.0 against 12.6 ms for 16 (``benchmarks/sampler_timing.py``),
-    a cost every sampled draft slot pays. The CDF is summed in float64; a zero-probability token is never drawn."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    cdf = flat.double().cumsum(-1)
-    total = cdf[:, -1:]
-    u = torch.rand(flat.shape[0], 1, dtype=torch.float64, device=flat.device) * total
-    drawn = torch.searchsorted(cdf, u, right=True)[:, 0]
-    last_positive = (cdf < total).sum(-1)  # where the CDF reaches its total: the last token with mass
-    return torch.minimum(drawn, last_positive).reshape(probs.shape[:-1])
+__all__ = ["VanillaMarkovHead", "RNNMarkovHead", "build_markov_head"]
 
 
 class VanillaMarkovHead(nn.Module):

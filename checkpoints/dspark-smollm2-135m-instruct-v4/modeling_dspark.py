@@ -31,10 +31,11 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 from transformers.utils import ModelOutput
 
+from .confidence_head import DSparkConfidenceHead, calibrated_confidence, prefix_survival
 from .configuration_dspark import DSparkConfig
-from .confidence_head import DSparkConfidenceHead
 from .draft_vocab import DraftVocabMixin
 from .markov_head import build_markov_head
+from .remote_code import RemoteCodeMixin
 
 __all__ = [
     "DSparkModel",
@@ -42,9 +43,19 @@ __all__ = [
     "DSparkPreTrainedModel",
     "build_from_target",
     "build_target_layer_ids",
+    "install_generate_hook",
     "target_compatibility_problems",
     "target_geometry",
 ]
+
+
+def install_generate_hook() -> None:
+    """Route ``target.generate(assistant_model=<drafter>)`` to DSpark drafting; called when a drafter is built (the
+    hook is guarded and idempotent), so importing the model package does not import the decoding package, and a
+    drafter loaded with remote code routes ``generate()`` with the copy its folder carries."""
+    from .hooks import install_generate_hook as install
+
+    install()
 
 
 def build_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -84,7 +95,7 @@ def block_sparse_attention(query, key, value, block_context_mask, scaling: float
     positions ``block_context_mask[:, n]`` and its own G slots (bidirectionally), in one softmax per query.
 
     ``query`` [B, H, N G, hd]; ``key`` / ``value`` [B, KV, C + N G, hd] (context first). Equal to dense attention
-    under :func:`modeling_dspark.loss.build_block_attention_mask`, at ``(C + G) / (C + N G)`` of its cost (N is
+    under :func:`modeling_dspark.training.loss.build_block_attention_mask`, at ``(C + G) / (C + N G)`` of its cost (N is
     hundreds with dense anchors). Returns [B, N G, H, hd], as the attention interfaces do."""
     bsz, heads, q_len, head_dim = query.shape
     num_blocks, ctx_len = block_context_mask.shape[1], block_context_mask.shape[2]
@@ -209,7 +220,7 @@ class DSparkPreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.mask_embedding, std=self.config.initializer_range)
 
 
-class DSparkModel(DraftVocabMixin, DSparkPreTrainedModel):
+class DSparkModel(RemoteCodeMixin, DraftVocabMixin, DSparkPreTrainedModel):
     """DSpark drafter: parallel backbone + sequential head + confidence head.
 
     Call it with the block embeddings (see :meth:`embed_block`) and the target's context features
@@ -230,14 +241,19 @@ class DSparkModel(DraftVocabMixin, DSparkPreTrainedModel):
         self.markov_head = build_markov_head(config)
         rank = config.markov_rank if self.markov_head is not None and config.confidence_with_markov else 0
         self.confidence_head = DSparkConfidenceHead(config.hidden_size, rank) if config.confidence_head else None
-        self.last_stats = None  # filled by generation.DSparkCandidateGenerator after each generate()
+        self.last_stats = None  # filled by the candidate generator after each generate()
         self._init_draft_vocab()
         self.post_init()
+        install_generate_hook()
 
     # ----------------------------------------------------------------------------------------------- inputs
     def context_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Concatenate the chosen target layers' hidden states (HF tuple: index i + 1 is layer i's output)."""
         return torch.cat([hidden_states[i + 1] for i in self.config.target_layer_ids], dim=-1)
+
+    def project_context(self, context_features: torch.Tensor) -> torch.Tensor:
+        """Eq. 2: the context the draft layers attend to, ``RMSNorm(W_c [H^(l_1); ...; H^(l_m)])`` [..., d]."""
+        return self.hidden_norm(self.fc(context_features.to(self.dtype)))
 
     def embed_block(self, anchor_ids: torch.LongTensor, input_embeddings: nn.Module) -> torch.Tensor:
         """Block inputs [B, N * block_size, d]: each anchor token followed by ``block_size - 1`` mask embeddings.
@@ -276,7 +292,7 @@ class DSparkModel(DraftVocabMixin, DSparkPreTrainedModel):
         bsz, q_len, _ = block_embeds.shape
         hidden = block_embeds.to(self.dtype)
         if context_features is not None and context_features.shape[1] > 0:
-            context = self.hidden_norm(self.fc(context_features.to(self.dtype)))
+            context = self.project_context(context_features)
         else:
             context = hidden.new_zeros(bsz, 0, hidden.shape[-1])
         if position_ids is None:
@@ -313,25 +329,21 @@ class DSparkModel(DraftVocabMixin, DSparkPreTrainedModel):
         return self.confidence_head(hidden_states, prev)
 
     def calibrated_confidence(self, logits: torch.Tensor, position: int | None = None) -> torch.Tensor:
-        """``sigmoid(z_k / T_k)`` with the STS temperatures (all 1 until calibrated).
+        """``c_k = sigmoid(z_k / T_k)`` with this drafter's STS temperatures (:func:`calibrated_confidence`)."""
+        return calibrated_confidence(logits, self.config.confidence_temperatures, position)
 
-        ``position`` is the 0-based block slot of a single position; ``None`` means the last axis runs over slots."""
-        temps = self.config.confidence_temperatures
-        if temps is None:
-            return torch.sigmoid(logits)
-        if position is not None:
-            return torch.sigmoid(logits / temps[position])
-        t = torch.tensor(temps[: logits.shape[-1]], dtype=logits.dtype, device=logits.device)
-        return torch.sigmoid(logits / t)
+    def survival(self, logits: torch.Tensor) -> torch.Tensor:
+        """Calibrated prefix survival ``a_k = prod_{i<=k} c_i`` [..., D] of confidence logits [..., D] (float64)."""
+        return prefix_survival(self.calibrated_confidence(logits.float()))
 
     # ----------------------------------------------------------------------------------------------- loading
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """Our own folders, and DeepSpec-format folders (detected from their config.json), see ``convert``."""
-        from .convert import from_deepspec, is_deepspec_folder
+        from .deepspec import is_deepspec_folder, load_deepspec
 
         if is_deepspec_folder(pretrained_model_name_or_path):
-            return from_deepspec(pretrained_model_name_or_path, **kwargs)
+            return load_deepspec(cls, pretrained_model_name_or_path, **kwargs)
         with weights_named_on_error(pretrained_model_name_or_path):
             return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
@@ -342,7 +354,7 @@ class DSparkModel(DraftVocabMixin, DSparkPreTrainedModel):
 
         ``config_overrides`` set any :class:`DSparkConfig` field (``block_size``, ``num_draft_layers``,
         ``target_layer_ids``, ``markov_head_type``, ...); ``draft_vocab_ids`` (target ids, e.g. from
-        :func:`modeling_dspark.draft_vocab.select_draft_vocab`) gives the drafter a draft vocabulary."""
+        :func:`modeling_dspark.checkpoint.draft_vocab.select_draft_vocab`) gives the drafter a draft vocabulary."""
         return build_from_target(cls, DSparkConfig, target, config_overrides)
 
     def check_compatible(self, target: PreTrainedModel) -> None:

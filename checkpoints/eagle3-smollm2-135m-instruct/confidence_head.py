@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["DSparkConfidenceHead", "cumulative_survival"]
+__all__ = ["DSparkConfidenceHead", "calibrated_confidence", "prefix_survival"]
 
 
 class DSparkConfidenceHead(nn.Module):
@@ -29,6 +29,18 @@ class DSparkConfidenceHead(nn.Module):
         return self.proj(features).squeeze(-1).float()
 
 
-def cumulative_survival(confidences: torch.Tensor) -> torch.Tensor:
-    """Prefix survival ``a_k = prod_{i<=k} c_i`` along the last axis."""
-    return torch.cumprod(confidences, dim=-1)
+def calibrated_confidence(logits: torch.Tensor, temperatures=None, position: int | None = None) -> torch.Tensor:
+    """Eq. 7 with the STS temperatures: ``c_k = sigmoid(z_k / T_k)`` from the head's logits ``z_k`` (no temperatures:
+    all 1). ``position`` is the 0-based slot of a single position; ``None``: the last axis runs over slots."""
+    if temperatures is None:
+        return torch.sigmoid(logits)
+    if position is not None:
+        return torch.sigmoid(logits / temperatures[position])
+    t = torch.as_tensor(temperatures[: logits.shape[-1]], dtype=logits.dtype, device=logits.device)
+    return torch.sigmoid(logits / t)
+
+
+def prefix_survival(confidences: torch.Tensor) -> torch.Tensor:
+    """Prefix survival ``a_k = prod_{i<=k} c_i`` along the last axis, in float64 (a product of up to a block of
+    probabilities near 1 that thresholds and schedulers compare)."""
+    return torch.cumprod(confidences.double(), dim=-1)

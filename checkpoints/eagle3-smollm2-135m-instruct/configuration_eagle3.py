@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from transformers.configuration_utils import PreTrainedConfig
 
+from .configuration_dspark import DSPARK_FIELD_TYPES, check_draft_vocab_size, check_field_types
+
 __all__ = ["Eagle3DrafterConfig"]
 
 
@@ -30,6 +32,8 @@ class Eagle3DrafterConfig(PreTrainedConfig):
         num_anchors (`int`, defaults to 512):
             Supervised positions per training sequence (the DSpark trainer's anchors; each starts a chain of
             ``ttt_length`` predictions), so both drafters see the same number of supervised tokens.
+        draft_vocab_size (`int`, *optional*):
+            Size of the draft vocabulary (``d2t`` buffer, as DSpark's); `None` drafts over the whole vocabulary.
         The remaining fields describe the draft layer and default to the target's values.
     """
 
@@ -42,6 +46,7 @@ class Eagle3DrafterConfig(PreTrainedConfig):
     target_hidden_size: int | None = None
     target_model_type: str | None = None
     num_anchors: int = 512
+    draft_vocab_size: int | None = None
     # geometry of the draft layer (copied from the target)
     vocab_size: int = 32000
     hidden_size: int = 1024
@@ -67,6 +72,8 @@ class Eagle3DrafterConfig(PreTrainedConfig):
             self.target_hidden_size = self.hidden_size
         if self.target_layer_ids is None:
             self.target_layer_ids = [0]
+        shared = ("target_layer_ids", "num_target_layers", "num_anchors", "draft_vocab_size", "vocab_size", "hidden_size")
+        check_field_types(self, {"ttt_length": DSPARK_FIELD_TYPES["block_size"], "step_loss_decay": DSPARK_FIELD_TYPES["confidence_threshold"], **{k: DSPARK_FIELD_TYPES[k] for k in shared}})
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         super().__post_init__(**kwargs)
         if self.ttt_length < 1:
@@ -78,6 +85,7 @@ class Eagle3DrafterConfig(PreTrainedConfig):
             raise ValueError(f"target_layer_ids {ids} must stay below the target's last layer ({self.num_target_layers - 1})")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        check_draft_vocab_size(self)
 
     @property
     def num_hidden_layers(self) -> int:

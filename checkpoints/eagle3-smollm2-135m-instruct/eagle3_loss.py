@@ -6,8 +6,8 @@ predicts ``x_{p+1+i}``, the label of DSpark's block slot i, against the target's
 feeds the teacher-forced token ``x_{p+i}`` with the drafter's own step i - 1 output, at rotary position t + i,
 and attends to the step-0 entries of positions <= t plus its own chain entries at t (the "suffix diagonal" of
 DeepSpec's mask). Only the anchors' chains are computed: every other position of steps > 0 cannot influence
-them. Loss: soft cross-entropy to the target distribution, weighted ``step_loss_decay ** i``, normalised by the
-summed weights.
+them. Loss: soft cross-entropy to the target distribution (over the draft vocabulary where the drafter has one),
+weighted ``step_loss_decay ** i``, normalised by the summed weights.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers.models.qwen3.modeling_qwen3 import repeat_kv
 
-from .loss import DSparkLossOutput, build_block_targets
+from .loss import DSparkLossOutput, build_block_targets, target_distribution
 
 __all__ = ["attend_chain", "compute_eagle3_loss"]
 
@@ -76,6 +76,8 @@ def compute_eagle3_loss(
     hidden, normed = drafter.finish(hidden, attn.output(out))
 
     weights = eval_mask.float() * cfg.step_loss_decay ** torch.arange(steps, device=input_ids.device, dtype=torch.float32)
+    batch_index = torch.arange(bsz, device=input_ids.device)[:, None].expand_as(anchors)
+    target = target_distribution(drafter, target_last_hidden, lm_head, logit_index, eval_mask)
     chain_k, chain_v, drafts, targets = [], [], [], []
     ce_num = l1_num = hidden.new_zeros((), dtype=torch.float32)
     accept = []
@@ -86,19 +88,18 @@ def compute_eagle3_loss(
             chain_k.append(k), chain_v.append(v)
             out = attend_chain(q, ctx_k, ctx_v, ctx_mask, chain_k, chain_v, attn.scaling)
             hidden, normed = drafter.finish(hidden, attn.output(out))
-        draft = lm_head(normed.to(lm_head.weight.dtype)).float()  # [bsz, N, V]
+        draft = drafter.draft_base_logits(normed, lm_head).float()  # [bsz, N, Vd]
         idx = logit_index[..., i]
-        tgt_hidden = target_last_hidden.gather(1, idx[..., None].expand(-1, -1, target_last_hidden.shape[-1]))
-        target = lm_head(tgt_hidden.to(lm_head.weight.dtype)).float().detach()
-        target_probs = target.softmax(-1)
+        target_probs, outside = target.at(batch_index, idx)  # over the draft vocabulary, and the mass outside it
         log_q = draft.log_softmax(-1)
         w = weights[..., i]
         ce_num = ce_num + (w * -(target_probs * log_q).sum(-1)).sum()
-        l1 = (log_q.exp() - target_probs).abs().sum(-1).detach()  # reported, not trained
+        l1 = ((log_q.exp() - target_probs).abs().sum(-1) + outside).detach()  # reported, not trained
         l1_num = l1_num + (w * l1).sum()
         accept.append((1.0 - 0.5 * l1).clamp(0.0, 1.0))
         if return_logits:
-            drafts.append(draft), targets.append(target)
+            tgt_hidden = target_last_hidden.gather(1, idx[..., None].expand(-1, -1, target_last_hidden.shape[-1]))
+            drafts.append(drafter.to_target_vocab(draft)), targets.append(lm_head(tgt_hidden.to(lm_head.weight.dtype)).float())
     den = weights.sum()
     ce_loss, l1_loss = ce_num / (den + eps), l1_num / (den + eps)
     accept = torch.stack(accept, dim=-1)

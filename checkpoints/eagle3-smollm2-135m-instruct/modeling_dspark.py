@@ -10,8 +10,10 @@ saved drafter holds only its own weights.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -24,13 +26,16 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3RMSNorm,
     Qwen3RotaryEmbedding,
     eager_attention_forward,
+    repeat_kv,
     rotate_half,
 )
 from transformers.utils import ModelOutput
 
+from .confidence_head import DSparkConfidenceHead, calibrated_confidence, prefix_survival
 from .configuration_dspark import DSparkConfig
-from .confidence_head import DSparkConfidenceHead
+from .draft_vocab import DraftVocabMixin
 from .markov_head import build_markov_head
+from .remote_code import RemoteCodeMixin
 
 __all__ = [
     "DSparkModel",
@@ -38,9 +43,19 @@ __all__ = [
     "DSparkPreTrainedModel",
     "build_from_target",
     "build_target_layer_ids",
+    "install_generate_hook",
     "target_compatibility_problems",
     "target_geometry",
 ]
+
+
+def install_generate_hook() -> None:
+    """Route ``target.generate(assistant_model=<drafter>)`` to DSpark drafting; called when a drafter is built (the
+    hook is guarded and idempotent), so importing the model package does not import the decoding package, and a
+    drafter loaded with remote code routes ``generate()`` with the copy its folder carries."""
+    from .hooks import install_generate_hook as install
+
+    install()
 
 
 def build_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -75,6 +90,33 @@ class DSparkModelOutput(ModelOutput):
     cache: Cache | None = None
 
 
+def block_sparse_attention(query, key, value, block_context_mask, scaling: float) -> torch.Tensor:
+    """Training's attention pattern without its zeros: N blocks of G queries each, block n seeing the context
+    positions ``block_context_mask[:, n]`` and its own G slots (bidirectionally), in one softmax per query.
+
+    ``query`` [B, H, N G, hd]; ``key`` / ``value`` [B, KV, C + N G, hd] (context first). Equal to dense attention
+    under :func:`modeling_dspark.training.loss.build_block_attention_mask`, at ``(C + G) / (C + N G)`` of its cost (N is
+    hundreds with dense anchors). Returns [B, N G, H, hd], as the attention interfaces do."""
+    bsz, heads, q_len, head_dim = query.shape
+    num_blocks, ctx_len = block_context_mask.shape[1], block_context_mask.shape[2]
+    gamma = q_len // num_blocks
+    groups = heads // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    ctx_k, blk_k = key[:, :, :ctx_len], key[:, :, ctx_len:].reshape(bsz, heads, num_blocks, gamma, head_dim)
+    ctx_v, blk_v = value[:, :, :ctx_len], value[:, :, ctx_len:].reshape(bsz, heads, num_blocks, gamma, head_dim)
+    query = query * scaling  # on the small tensor, not on the scores
+    ctx_scores = torch.matmul(query, ctx_k.transpose(-1, -2))  # [B, H, N G, C]
+    sees = block_context_mask.repeat_interleave(gamma, dim=1)[:, None]  # [B, 1, N G, C]
+    ctx_scores = ctx_scores.masked_fill(~sees, torch.finfo(ctx_scores.dtype).min)
+    q_blocks = query.reshape(bsz, heads, num_blocks, gamma, head_dim)
+    blk_scores = torch.matmul(q_blocks, blk_k.transpose(-1, -2))  # [B, H, N, G, G]
+    scores = torch.cat([ctx_scores.view(bsz, heads, num_blocks, gamma, ctx_len), blk_scores.to(ctx_scores.dtype)], dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)  # normalised in fp32
+    out = torch.matmul(probs[..., :ctx_len].reshape(bsz, heads, q_len, ctx_len), ctx_v)
+    out = out + torch.matmul(probs[..., ctx_len:], blk_v).reshape(bsz, heads, q_len, head_dim)
+    return out.transpose(1, 2)
+
+
 class DSparkAttention(nn.Module):
     """Block queries attend to [context ; block] keys (Eq. 3): the projected context is prepended to every layer's
     keys and values. No causal mask: inside a block attention is bidirectional, and the context is only ever the
@@ -104,6 +146,7 @@ class DSparkAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],  # cos/sin [B, C + Q, hd]
         attention_mask: torch.Tensor | None = None,  # [B, 1, Q, past + C + Q] or None (see everything)
         cache: Cache | None = None,
+        block_context_mask: torch.Tensor | None = None,  # [B, N, C] bool: training's N blocks of block_size queries
     ) -> torch.Tensor:
         bsz, q_len, _ = hidden_states.shape
         kv_input = torch.cat([context, hidden_states], dim=1)
@@ -122,6 +165,9 @@ class DSparkAttention(nn.Module):
             key = torch.cat([ctx_key, key[:, :, ctx_len:]], dim=2)
             value = torch.cat([ctx_value, value[:, :, ctx_len:]], dim=2)
 
+        if block_context_mask is not None:
+            attn_output = block_sparse_attention(query, key, value, block_context_mask, self.scaling)
+            return self.o_proj(attn_output.reshape(bsz, q_len, -1).contiguous())
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -147,10 +193,10 @@ class DSparkDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, context, position_embeddings, attention_mask=None, cache=None):
+    def forward(self, hidden_states, context, position_embeddings, attention_mask=None, cache=None, block_context_mask=None):
         residual = hidden_states
         hidden_states = self.self_attn(
-            self.input_layernorm(hidden_states), context, position_embeddings, attention_mask, cache
+            self.input_layernorm(hidden_states), context, position_embeddings, attention_mask, cache, block_context_mask
         )
         hidden_states = residual + hidden_states
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -174,12 +220,13 @@ class DSparkPreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.mask_embedding, std=self.config.initializer_range)
 
 
-class DSparkModel(DSparkPreTrainedModel):
+class DSparkModel(RemoteCodeMixin, DraftVocabMixin, DSparkPreTrainedModel):
     """DSpark drafter: parallel backbone + sequential head + confidence head.
 
     Call it with the block embeddings (see :meth:`embed_block`) and the target's context features
     (see :meth:`context_features`); apply the target's LM head to ``last_hidden_state`` to get the base
-    logits ``U``, then :attr:`markov_head` and :meth:`confidence_logits`.
+    logits ``U`` (:meth:`draft_base_logits`, over the draft vocabulary where the drafter has one), then
+    :attr:`markov_head` and :meth:`confidence_logits`.
     """
 
     def __init__(self, config: DSparkConfig):
@@ -194,13 +241,19 @@ class DSparkModel(DSparkPreTrainedModel):
         self.markov_head = build_markov_head(config)
         rank = config.markov_rank if self.markov_head is not None and config.confidence_with_markov else 0
         self.confidence_head = DSparkConfidenceHead(config.hidden_size, rank) if config.confidence_head else None
-        self.last_stats = None  # filled by generation.DSparkCandidateGenerator after each generate()
+        self.last_stats = None  # filled by the candidate generator after each generate()
+        self._init_draft_vocab()
         self.post_init()
+        install_generate_hook()
 
     # ----------------------------------------------------------------------------------------------- inputs
     def context_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Concatenate the chosen target layers' hidden states (HF tuple: index i + 1 is layer i's output)."""
         return torch.cat([hidden_states[i + 1] for i in self.config.target_layer_ids], dim=-1)
+
+    def project_context(self, context_features: torch.Tensor) -> torch.Tensor:
+        """Eq. 2: the context the draft layers attend to, ``RMSNorm(W_c [H^(l_1); ...; H^(l_m)])`` [..., d]."""
+        return self.hidden_norm(self.fc(context_features.to(self.dtype)))
 
     def embed_block(self, anchor_ids: torch.LongTensor, input_embeddings: nn.Module) -> torch.Tensor:
         """Block inputs [B, N * block_size, d]: each anchor token followed by ``block_size - 1`` mask embeddings.
@@ -229,6 +282,7 @@ class DSparkModel(DSparkPreTrainedModel):
         cache: Cache | None = None,
         output_hidden_states: bool = False,
         dspark_loss_inputs: dict | None = None,
+        block_context_mask: torch.Tensor | None = None,  # [B, N, C] bool, instead of attention_mask: Q = N blocks
     ) -> DSparkModelOutput:
         if dspark_loss_inputs is not None:
             # The training objective runs inside forward() so data-parallel wrappers see every parameter's use.
@@ -238,7 +292,7 @@ class DSparkModel(DSparkPreTrainedModel):
         bsz, q_len, _ = block_embeds.shape
         hidden = block_embeds.to(self.dtype)
         if context_features is not None and context_features.shape[1] > 0:
-            context = self.hidden_norm(self.fc(context_features.to(self.dtype)))
+            context = self.project_context(context_features)
         else:
             context = hidden.new_zeros(bsz, 0, hidden.shape[-1])
         if position_ids is None:
@@ -251,7 +305,7 @@ class DSparkModel(DSparkPreTrainedModel):
         position_embeddings = self.rotary_emb(hidden, position_ids)
         layer_outputs = []
         for layer in self.layers:
-            hidden = layer(hidden, context, position_embeddings, attention_mask, cache)
+            hidden = layer(hidden, context, position_embeddings, attention_mask, cache, block_context_mask)
             layer_outputs.append(hidden)
         return DSparkModelOutput(
             last_hidden_state=self.norm(hidden),
@@ -261,35 +315,37 @@ class DSparkModel(DSparkPreTrainedModel):
         )
 
     # ----------------------------------------------------------------------------------------------- heads
-    def confidence_logits(self, hidden_states: torch.Tensor, prev_ids: torch.LongTensor) -> torch.Tensor:
-        """Raw confidence logits ``w^T [h_k ; W1[x_{k-1}]]`` (Eq. 7), same leading shape as ``prev_ids``."""
+    def confidence_logits(
+        self, hidden_states: torch.Tensor, prev_ids: torch.LongTensor, prev_embeddings: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Raw confidence logits ``w^T [h_k ; W1[x_{k-1}]]`` (Eq. 7), same leading shape as ``prev_ids`` (target ids);
+        ``prev_embeddings`` are ``W1[x_{k-1}]`` when the caller has them already."""
         if self.confidence_head is None:
             raise ValueError("this drafter has no confidence head (config.confidence_head=False)")
         with_markov = self.markov_head is not None and self.config.confidence_with_markov
-        prev = self.markov_head.get_prev_embeddings(prev_ids) if with_markov else None
+        prev = None
+        if with_markov:
+            prev = self.markov_head.get_prev_embeddings(self.draft_index(prev_ids)) if prev_embeddings is None else prev_embeddings
         return self.confidence_head(hidden_states, prev)
 
     def calibrated_confidence(self, logits: torch.Tensor, position: int | None = None) -> torch.Tensor:
-        """``sigmoid(z_k / T_k)`` with the STS temperatures (all 1 until calibrated).
+        """``c_k = sigmoid(z_k / T_k)`` with this drafter's STS temperatures (:func:`calibrated_confidence`)."""
+        return calibrated_confidence(logits, self.config.confidence_temperatures, position)
 
-        ``position`` is the 0-based block slot of a single position; ``None`` means the last axis runs over slots."""
-        temps = self.config.confidence_temperatures
-        if temps is None:
-            return torch.sigmoid(logits)
-        if position is not None:
-            return torch.sigmoid(logits / temps[position])
-        t = torch.tensor(temps[: logits.shape[-1]], dtype=logits.dtype, device=logits.device)
-        return torch.sigmoid(logits / t)
+    def survival(self, logits: torch.Tensor) -> torch.Tensor:
+        """Calibrated prefix survival ``a_k = prod_{i<=k} c_i`` [..., D] of confidence logits [..., D] (float64)."""
+        return prefix_survival(self.calibrated_confidence(logits.float()))
 
     # ----------------------------------------------------------------------------------------------- loading
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """Our own folders, and DeepSpec-format folders (detected from their config.json), see ``convert``."""
-        from .convert import from_deepspec, is_deepspec_folder
+        from .deepspec import is_deepspec_folder, load_deepspec
 
         if is_deepspec_folder(pretrained_model_name_or_path):
-            return from_deepspec(pretrained_model_name_or_path, **kwargs)
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+            return load_deepspec(cls, pretrained_model_name_or_path, **kwargs)
+        with weights_named_on_error(pretrained_model_name_or_path):
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     # ----------------------------------------------------------------------------------------------- target
     @classmethod
@@ -297,7 +353,8 @@ class DSparkModel(DSparkPreTrainedModel):
         """A freshly initialised drafter whose geometry matches ``target`` (a causal LM), on its device and dtype.
 
         ``config_overrides`` set any :class:`DSparkConfig` field (``block_size``, ``num_draft_layers``,
-        ``target_layer_ids``, ``markov_head_type``, ...)."""
+        ``target_layer_ids``, ``markov_head_type``, ...); ``draft_vocab_ids`` (target ids, e.g. from
+        :func:`modeling_dspark.checkpoint.draft_vocab.select_draft_vocab`) gives the drafter a draft vocabulary."""
         return build_from_target(cls, DSparkConfig, target, config_overrides)
 
     def check_compatible(self, target: PreTrainedModel) -> None:
@@ -309,6 +366,19 @@ class DSparkModel(DSparkPreTrainedModel):
             problems.append(f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary")
         if problems:
             raise ValueError(f"DSpark drafter is incompatible with {type(target).__name__}: " + "; ".join(problems))
+
+
+@contextlib.contextmanager
+def weights_named_on_error(folder_or_repo):
+    """safetensors' own errors ("incomplete metadata", "header too large") do not say which file; say it."""
+    try:
+        yield
+    except Exception as err:
+        if type(err).__name__ != "SafetensorError":
+            raise
+        files = sorted(str(f) for f in Path(folder_or_repo).glob("*.safetensors")) if Path(folder_or_repo).is_dir() else []
+        where = ", ".join(files) or f"the safetensors weights of {folder_or_repo}"
+        raise OSError(f"could not read {where}: {err} (the file is truncated or corrupt; save or download it again)") from err
 
 
 def target_geometry(target: PreTrainedModel) -> dict:
@@ -340,13 +410,24 @@ def target_geometry(target: PreTrainedModel) -> dict:
 
 def build_from_target(model_class, config_class, target: PreTrainedModel, config_overrides: dict):
     """``model_class(config_class(target geometry + overrides))`` on the target's device (and dtype unless given)."""
-    unknown = set(config_overrides) - set(config_class.__dataclass_fields__) - {"dtype"}
+    unknown = set(config_overrides) - set(config_class.__dataclass_fields__) - {"dtype", "draft_vocab_ids"}
     if unknown:
         raise ValueError(f"unknown {config_class.__name__} field(s): {sorted(unknown)}")
     overrides = dict(config_overrides)
     dtype = overrides.pop("dtype", None) or target.dtype
+    draft_vocab_ids = overrides.pop("draft_vocab_ids", None)
+    if draft_vocab_ids is not None:
+        draft_vocab_ids = torch.as_tensor(draft_vocab_ids, dtype=torch.long).flatten()
+        given = overrides.setdefault("draft_vocab_size", draft_vocab_ids.numel())
+        if given != draft_vocab_ids.numel():
+            raise ValueError(f"draft_vocab_size={given} but draft_vocab_ids has {draft_vocab_ids.numel()} ids")
+    elif overrides.get("draft_vocab_size") is not None:
+        raise ValueError("draft_vocab_size needs draft_vocab_ids (the target ids of the draft vocabulary)")
     config = config_class(**{**target_geometry(target), **overrides})
-    drafter = model_class(config).to(device=target.device, dtype=dtype)
+    drafter = model_class(config)
+    if draft_vocab_ids is not None:
+        drafter.set_draft_vocab(draft_vocab_ids)
+    drafter = drafter.to(device=target.device, dtype=dtype)
     drafter.check_compatible(target)
     return drafter
 

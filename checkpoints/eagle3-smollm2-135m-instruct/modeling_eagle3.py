@@ -8,7 +8,7 @@ at call time and never saved with the drafter.
 
 Attention of step i at position t sees the step-0 entries of positions <= t (one per committed token) and the
 entries of steps 1..i at t itself: at inference those are exactly the draft cache's contents, in training
-:func:`modeling_dspark.eagle3_loss.compute_eagle3_loss` builds the same pattern ("training-time test").
+:func:`modeling_dspark.training.eagle3_loss.compute_eagle3_loss` builds the same pattern ("training-time test").
 """
 
 from __future__ import annotations
@@ -19,8 +19,16 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, repeat_kv
 
+from .draft_vocab import DraftVocabMixin
 from .configuration_eagle3 import Eagle3DrafterConfig
-from .modeling_dspark import apply_rotary, build_from_target, target_compatibility_problems
+from .modeling_dspark import (
+    apply_rotary,
+    build_from_target,
+    install_generate_hook,
+    target_compatibility_problems,
+    weights_named_on_error,
+)
+from .remote_code import RemoteCodeMixin
 
 __all__ = ["Eagle3DrafterModel", "attend"]
 
@@ -64,7 +72,7 @@ class Eagle3Attention(nn.Module):
         return self.o_proj(attn.transpose(1, 2).reshape(bsz, q_len, -1))
 
 
-class Eagle3DrafterModel(PreTrainedModel):
+class Eagle3DrafterModel(RemoteCodeMixin, DraftVocabMixin, PreTrainedModel):
     """Eagle3 drafter: ``forward(input_embeds, hidden, position_ids, cache)`` runs one draft step for the given
     positions and returns ``(output, normed)``: ``output`` feeds the next step, ``lm_head(normed)`` its logits."""
 
@@ -85,8 +93,10 @@ class Eagle3DrafterModel(PreTrainedModel):
         self.mlp = Qwen3MLP(config)
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
-        self.last_stats = None  # filled by generation.Eagle3CandidateGenerator after each generate()
+        self.last_stats = None  # filled by the candidate generator after each generate()
+        self._init_draft_vocab()
         self.post_init()
+        install_generate_hook()
 
     # the DSpark trainer and the shared evaluation code read these
     markov_head = None
@@ -135,8 +145,14 @@ class Eagle3DrafterModel(PreTrainedModel):
         return self.finish(hidden, self.self_attn.output(attn))
 
     @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        with weights_named_on_error(pretrained_model_name_or_path):
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    @classmethod
     def from_target(cls, target: PreTrainedModel, **config_overrides) -> "Eagle3DrafterModel":
-        """A freshly initialised Eagle3 drafter for ``target`` (same five feature layers as a DSpark drafter)."""
+        """A freshly initialised Eagle3 drafter for ``target`` (same five feature layers as a DSpark drafter);
+        ``draft_vocab_ids`` gives it a draft vocabulary, as :meth:`DSparkModel.from_target`."""
         return build_from_target(cls, Eagle3DrafterConfig, target, config_overrides)
 
     def check_compatible(self, target: PreTrainedModel) -> None:

@@ -119,7 +119,7 @@ def _run_streaming(target, ids, kwargs, drafter=None):
 def build_demo(target, tokenizer, drafter, *, max_new_tokens: int = 96, prompt_lookup: int = 10):
     import gradio as gr
 
-    from generation.benchmark import chat_input_ids
+    from generation.evaluation.prompts import chat_input_ids
     from modeling_dspark.targets import dtype_label
 
     def run(prompt):
@@ -139,8 +139,7 @@ def build_demo(target, tokenizer, drafter, *, max_new_tokens: int = 96, prompt_l
         for pieces, elapsed in _run_streaming(target, ids, {**kwargs, **hybrid}, drafter):
             yield plain_text, dspark_tokens_html(pieces, tokenizer, drafter), f"DSpark: {sum(len(s) for s, _ in pieces)} tokens ..."
         n = sum(len(step) for step, _ in pieces)
-        rounds = [len(step) for step, r in pieces if r is not None]
-        tau = sum(rounds) / max(len(rounds), 1)  # tokens per verification round, bonus included
+        tau = drafter.last_stats.tau  # the definition generate() reports: every round, bonus included
         tps = n / max(elapsed, 1e-9)
         stats = (
             f"plain `generate()`: {n_plain} tokens, **{plain_tps:.1f} tok/s** | DSpark: {n} tokens, **{tps:.1f} tok/s** | "
@@ -174,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))  # Spaces set 0.0.0.0
     args = parser.parse_args(argv)
     import modeling_dspark  # noqa: F401  (the generate() hook)
-    from generation.harness import load_drafter
+    from generation.evaluation.harness import load_drafter
     from modeling_dspark import load_target
 
     target_name = os.environ.get("DSPARK_TARGET", "smollm2-135m-instruct")

@@ -8,15 +8,19 @@ Modules (loadable offline, each a folder with one script): ``acceptance_length``
 per-position acceptance from verification rounds; ``"analytic"``: the expected tau implied by per-slot
 acceptance rates ``1 - 0.5 L1`` of a training batch) and ``calibration`` (per-position ECE / AUROC / Brier of
 the cumulative survival against observed prefix acceptance). The maths lives here and in
-:mod:`modeling_dspark.calibration`; the modules, the trainer, the calibration script and the evaluation
+:mod:`modeling_dspark.training.calibration`; the modules, the trainer, the calibration script and the evaluation
 harness all call the same functions.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from functools import lru_cache
 from pathlib import Path
+
+from generation.decoding.stats import acceptance_length, expected_acceptance_length
 
 __all__ = [
     "METRICS_DIR",
@@ -74,7 +78,7 @@ def round_acceptance(accepted, verified, block: int | None = None) -> dict:
     block = block or max(verified, default=0)
     n = len(accepted)
     return {
-        "tau": sum(a + 1 for a in accepted) / n if n else math.nan,
+        "tau": acceptance_length(accepted),
         "rounds": n,
         "acceptance_rate": sum(accepted) / sum(verified) if sum(verified) else math.nan,
         "mean_verified": sum(verified) / n if n else math.nan,
@@ -101,8 +105,5 @@ def analytic_acceptance(acceptance_rates, masks) -> dict:
 def expected_tau_from_sums(num, den) -> dict:
     """Same as :func:`analytic_acceptance` from per-slot sums (what the trainer accumulates)."""
     rates = [n / d if d else 0.0 for n, d in zip(num, den)]
-    survival, tau = 1.0, 1.0
-    for r in rates:
-        survival *= r
-        tau += survival
-    return {"expected_tau": tau, "acceptance_rate_per_position": rates, "supervised_per_position": [int(d) for d in den]}
+    survival = itertools.accumulate(rates, operator.mul)  # slot k is reached only if slots 0..k-1 were accepted
+    return {"expected_tau": expected_acceptance_length(survival), "acceptance_rate_per_position": rates, "supervised_per_position": [int(d) for d in den]}

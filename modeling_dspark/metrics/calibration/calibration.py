@@ -9,9 +9,8 @@ temperatures, default all 1) and ``num_bins`` (default 20). Returns count-weight
 
 import datasets
 import evaluate
-import torch
 
-from modeling_dspark.calibration import CalibrationRounds, calibration_metrics
+from modeling_dspark.training.calibration import CalibrationRounds, calibration_metrics
 
 
 class Calibration(evaluate.Metric):

@@ -1,0 +1,1 @@
+"""How a drafter is trained: self-distilled data, the losses, the Trainer, calibration, adaptation, ablations."""

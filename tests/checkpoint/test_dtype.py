@@ -1,0 +1,49 @@
+"""dtype choice: "auto" takes bf16 only where this device multiplies bf16 matrices about as fast as fp32."""
+
+import time
+
+import pytest
+import torch
+
+from modeling_dspark.targets import _probed_dtype, dtype_label, fast_dtype, resolve_dtype
+
+
+def _with_clock(monkeypatch, ticks):
+    clock = iter(ticks)
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    return _probed_dtype.__wrapped__("cpu")  # past the per-process cache
+
+
+def test_fast_dtype_falls_back_to_fp32_where_bf16_products_are_slow(monkeypatch):
+    # fp32 timed first, then bf16: a scalar bf16 fallback (AVX2-only CPUs) is ~100x slower
+    assert _with_clock(monkeypatch, [0.0, 1.0, 0.0, 100.0]) == torch.float32
+    assert _with_clock(monkeypatch, [0.0, 1.0, 0.0, 0.5]) == torch.bfloat16  # AMX / AVX512-BF16: bf16 is faster
+    assert _with_clock(monkeypatch, [0.0, 1.0, 0.0, 1.9]) == torch.bfloat16  # within 2x: bf16 halves the bytes read
+
+
+def test_resolve_dtype_names_and_errors():
+    assert resolve_dtype("bf16") is torch.bfloat16
+    assert resolve_dtype("fp32") is torch.float32
+    assert resolve_dtype("float16") is torch.float16
+    assert resolve_dtype(torch.float64) is torch.float64
+    assert resolve_dtype("auto") is fast_dtype() and resolve_dtype(None) is fast_dtype()
+    assert fast_dtype() in (torch.bfloat16, torch.float32)
+    # one probe per device and process, however it is asked for (a second probe could decide otherwise)
+    assert fast_dtype() is fast_dtype("cpu") is resolve_dtype("auto", device="cpu")
+    assert _probed_dtype.cache_info().currsize == 1
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_dtype("float7")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_dtype("Tensor")  # a torch attribute that is not a dtype
+    assert [dtype_label(d) for d in (torch.bfloat16, torch.float32, torch.float16)] == ["bf16", "fp32", "fp16"]
+
+
+def test_generate_warns_when_drafter_and_target_dtypes_differ():
+    from tiny_models import tiny_drafter, tiny_target
+
+    import modeling_dspark  # noqa: F401  (the generate() hook)
+
+    target = tiny_target()
+    drafter = tiny_drafter(target, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="load the drafter with dtype=target.dtype"):
+        target.generate(torch.tensor([[3, 4, 5]]), do_sample=False, max_new_tokens=3, assistant_model=drafter)

@@ -1,0 +1,99 @@
+"""``dspark_truncation="cost"`` through ``generate(assistant_model=...)``: the depth of each round is planned from
+earlier rounds (0 = a plain round without the drafter), Algorithm 1 cuts the drafted block; greedy output stays
+the target's and sampled output keeps the target's distribution."""
+
+import pytest
+import torch
+from exactness import PROMPT, SAMPLES, VOCAB, chi_square_pvalue, config, exact_distribution, peaked_target
+from tiny_models import tiny_drafter, tiny_target
+from transformers import GenerationConfig
+
+import modeling_dspark  # noqa: F401
+from generation.scheduling.scheduler import DraftCost, PaddedCostTable
+
+# a verify forward whose cost grows a little with its width, as on a CPU
+VERIFY = PaddedCostTable.from_dict({1: {w: 0.010 * (1 + 0.05 * w) for w in range(1, 9)}})
+
+
+def confident(drafter, bias: float = 6.0):
+    """Survival near 1 at every slot: drafting looks worth it whenever it is cheap."""
+    with torch.no_grad():
+        drafter.confidence_head.proj.weight.zero_()
+        drafter.confidence_head.proj.bias.fill_(bias)
+    return drafter
+
+
+def cost_config(draft_cost, **kwargs):
+    return dict(dspark_truncation="cost", dspark_cost_table=VERIFY, dspark_draft_cost=draft_cost, dspark_adapt_costs=False, **kwargs)
+
+
+def test_cost_truncation_greedy_equals_target_and_follows_the_draft_cost():
+    target = tiny_target()
+    prompt = torch.tensor([[5, 17, 3, 44, 9, 21]])
+    ref = target.generate(prompt, do_sample=False, max_new_tokens=120)
+    rounds = {}
+    for label, draft_cost in {
+        "free": DraftCost.from_dict({1: [0.0] * 4}),
+        "costly": DraftCost.from_dict({1: [1.0 * d for d in range(1, 5)]}),  # 100 target forwards per call
+    }.items():
+        drafter = confident(tiny_drafter(target))
+        gen = GenerationConfig(do_sample=False, max_new_tokens=120, **cost_config(draft_cost))
+        out = target.generate(prompt, generation_config=gen, assistant_model=drafter)
+        assert torch.equal(out, ref), label
+        rounds[label] = drafter.last_stats.rounds
+    free = [r.verified for r in rounds["free"]]
+    # free drafting: after the first look (one slot), full blocks until the token budget shortens them
+    assert free[0] == 1 and set(free[1:-3]) == {4}, free
+    # a drafter call that costs 100 plain rounds: only the first look and the probes draft, one slot each, and each
+    # probe that does not change the plan doubles the wait for the next (16, 32, 64 rounds)
+    costly = [r.drafted for r in rounds["costly"]]
+    assert set(costly) == {0, 1} and [i for i, d in enumerate(costly) if d] == [0, 16, 48, 112], costly
+
+
+def token_dependent_confidence(drafter):
+    """``c_k`` a function of the previously sampled token only, from 0.02 to 0.98 across the vocabulary, so that
+    Algorithm 1 keeps the second draft after some first drafts and cuts it after others."""
+    d = drafter.config.hidden_size
+    with torch.no_grad():
+        weight = drafter.confidence_head.proj.weight
+        weight[:, :d].zero_()
+        weight[:, d:].normal_(0.0, 1.0, generator=torch.Generator().manual_seed(5))
+        drafter.confidence_head.proj.bias.zero_()
+        z = drafter.confidence_logits(torch.zeros(VOCAB, d), torch.arange(VOCAB))
+        scale = 8.0 / float(z.max() - z.min())
+        weight[:, d:] *= scale
+        drafter.confidence_head.proj.bias.fill_(-scale * float(z.max() + z.min()) / 2)
+    return drafter
+
+
+def test_cost_truncation_sampling_matches_target():
+    target = peaked_target()
+    drafter = token_dependent_confidence(tiny_drafter(target, seed=7))
+    gen = config(**cost_config(DraftCost.from_dict({1: [0.0] * 4})))
+    torch.manual_seed(0)
+    counts, verified_after_two = {}, set()
+    drafted_rounds, accepted = 0, []
+    for _ in range(SAMPLES):
+        out = target.generate(PROMPT, generation_config=gen, assistant_model=drafter)
+        key = tuple(out[0, PROMPT.shape[1] :].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        for r in drafter.last_stats.rounds:
+            drafted_rounds += r.verified > 0
+            accepted += [r.accepted] if r.verified else []
+            if r.drafted == 2:
+                verified_after_two.add(r.verified)
+    assert drafted_rounds >= SAMPLES // 2, "the tokens under test must come from drafted rounds"
+    assert 0 < sum(accepted) < 2 * len(accepted), "both acceptance and rejection must occur"
+    assert {1, 2} <= verified_after_two, f"Algorithm 1 must keep or cut the second draft by the first, saw {verified_after_two}"
+    assert chi_square_pvalue(counts, exact_distribution(target), SAMPLES) > 1e-3
+
+
+def test_cost_truncation_refuses_a_drafter_without_confidence_head():
+    target = tiny_target()
+    drafter = tiny_drafter(target, confidence_head=False)
+    gen = GenerationConfig(do_sample=False, max_new_tokens=4, **cost_config(DraftCost.from_dict({1: [0.0] * 4})))
+    with pytest.raises(ValueError, match="cost truncation needs a drafter with a confidence head"):
+        target.generate(torch.tensor([[1, 2, 3]]), generation_config=gen, assistant_model=drafter)
+    with pytest.raises(ValueError, match="'fixed', 'threshold' or 'cost'"):
+        lazy = GenerationConfig(do_sample=False, max_new_tokens=4, dspark_truncation="lazy")
+        target.generate(torch.tensor([[1, 2, 3]]), generation_config=lazy, assistant_model=tiny_drafter(target))

@@ -1,0 +1,189 @@
+"""Verification-length schedulers as pure functions: prefix admission, zero survival, cliffs, the budget cap,
+and the Appendix A counterexample (a look-ahead scheduler biases the output; Algorithm 1 and the asynchronous
+variant do not)."""
+
+import random
+
+import pytest
+
+from generation.scheduling.scheduler import (
+    CostTable,
+    DraftCost,
+    PaddedCostTable,
+    admission_groups,
+    async_capacity,
+    plan_draft_depth,
+    schedule_algorithm1,
+    schedule_fixed,
+    schedule_full_search,
+    schedule_threshold,
+    schedule_top_k,
+)
+
+
+def random_survival(rng, num_requests, gamma=7):
+    out = []
+    for _ in range(num_requests):
+        a, values = 1.0, []
+        for _ in range(rng.randint(0, gamma)):
+            a *= rng.choice([0.0, rng.random(), 1.0, rng.uniform(0.8, 1.0)])
+            values.append(a)
+        out.append(values)
+    return out
+
+
+def random_cost(rng, max_tokens=64):
+    sps, table = 1.0, {}
+    for b in range(1, max_tokens + 1):
+        sps *= rng.choice([1.0, 1.0, 0.98, 0.7])  # flat stretches and cliffs
+        table[b] = sps
+    return CostTable.from_dict(table)
+
+
+def random_padded_cost(rng, max_width=8):
+    table, t = {}, 0.01
+    for w in range(1, max_width + 1):
+        t *= rng.choice([1.0, 1.02, 1.5])
+        table[w] = t
+    return PaddedCostTable.from_dict({1: table, 16: {w: 3 * v for w, v in table.items()}})
+
+
+SCHEDULERS = {
+    "algorithm1": lambda s, c: schedule_algorithm1(s, c),
+    "algorithm1_padded": lambda s, c: schedule_algorithm1(s, random_padded_cost(random.Random(len(s)))),
+    "algorithm1_draft_seconds": lambda s, c: schedule_algorithm1(s, c, draft_seconds=0.5),
+    "full_search": lambda s, c: schedule_full_search(s, c),
+    "threshold": lambda s, c: schedule_threshold(s, 0.3),
+    "top_k": lambda s, c: schedule_top_k(s, async_capacity(s, c)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+def test_admitted_tokens_are_a_prefix_of_the_highest_survivals_and_never_zero(name):
+    rng = random.Random(0)
+    for _ in range(300):
+        survival = random_survival(rng, rng.randint(1, 8))
+        lengths = SCHEDULERS[name](survival, random_cost(rng))
+        assert len(lengths) == len(survival)
+        admitted = [a for values, n in zip(survival, lengths) for a in values[:n]]
+        rejected = [a for values, n in zip(survival, lengths) for a in values[n:]]
+        assert all(0 <= n <= len(values) for values, n in zip(survival, lengths))
+        assert all(a > 0 for a in admitted), "a zero-survival token was admitted"
+        if name not in ("threshold", "algorithm1_padded") and admitted and rejected:
+            assert min(admitted) >= max(rejected), "admission must follow the global survival order"
+
+
+def test_fixed_length():
+    assert schedule_fixed([7, 2, 0], 3) == [3, 2, 0]
+    with pytest.raises(ValueError):
+        schedule_fixed([1], -1)
+
+
+def test_algorithm1_stops_before_a_cliff_that_the_full_search_crosses():
+    survival = [[0.95 ** (j + 1) for j in range(7)]]
+    cost = CostTable.from_dict({1: 1.0, 2: 1.0, 3: 0.6, 8: 0.6})  # flat, a cliff at B = 3, flat again
+    assert schedule_algorithm1(survival, cost) == [1]  # Theta: 1 -> 1.95 -> 1.71 (stop)
+    assert schedule_full_search(survival, cost) == [7]  # 6.73 * 0.6 = 4.04 beyond the cliff
+    assert async_capacity(survival, cost) == 7
+
+
+def test_budget_is_a_hard_cap():
+    rng = random.Random(1)
+    for _ in range(300):
+        survival = random_survival(rng, rng.randint(1, 8))
+        k = rng.randint(0, 20)
+        assert sum(schedule_top_k(survival, k)) <= k
+    assert schedule_top_k([[0.9, 0.8], [0.95, 0.1]], 3) == [2, 1]
+
+
+def test_cost_table_lookup_and_validation():
+    cost = CostTable.from_dict({1: 10.0, 4: 8.0, 16: 5.0})
+    assert [cost.sps(b) for b in (1, 2, 4, 5, 16)] == [10.0, 8.0, 8.0, 5.0, 5.0]
+    assert cost.sps(32) == pytest.approx(2.5)  # linear beyond the table
+    with pytest.raises(ValueError):
+        CostTable((2, 1), (1.0, 1.0))
+    with pytest.raises(ValueError, match="non-increasing"):
+        schedule_algorithm1([[0.5, 0.6]], cost)
+
+
+def test_padded_cost_admits_level_by_level():
+    survival = [[0.9, 0.5, 0.1], [0.6, 0.3], [0.0]]
+    cost = PaddedCostTable.from_dict({4: {1: 1.0, 2: 1.2, 3: 1.4, 4: 5.0}})
+    assert admission_groups(survival, cost) == [[(0, 0), (1, 0)], [(0, 1), (1, 1)], [(0, 2)]]
+    # Theta 3 -> 4.5 / 1.2 = 3.75 (width 2) -> 5.3 / 1.4 = 3.79 (width 3) -> 5.4 / 5.0 (width 4, stop); taken one
+    # token at a time, the first draft alone (3.9 / 1.2 = 3.25) would already have looked like a loss
+    assert schedule_algorithm1(survival, cost) == [2, 2, 0]
+    assert schedule_full_search(survival, cost) == [2, 2, 0] and async_capacity(survival, cost) == 4
+    assert cost.forward_seconds(2, 1) == 1.0 and cost.forward_seconds(8, 2) == pytest.approx(2.4)  # rows beyond: linear
+    assert PaddedCostTable.from_dict(cost.to_dict()) == cost
+    with pytest.raises(ValueError, match="one time per"):
+        PaddedCostTable((1, 2), (1,), ((1.0,),))
+
+
+def test_draft_seconds_make_verifying_more_worthwhile():
+    rng = random.Random(3)
+    for _ in range(200):
+        survival, cost = random_survival(rng, rng.randint(1, 8)), random_cost(rng)
+        assert sum(schedule_full_search(survival, cost, draft_seconds=1.0)) >= sum(schedule_full_search(survival, cost))
+
+
+def test_draft_cost_lookup_and_depth_planning():
+    draft = DraftCost.from_dict({1: [0.001, 0.002, 0.003], 4: [0.002, 0.004, 0.006]})
+    assert draft.max_depth == 3 and draft.draft_seconds(3, 0) == 0.0 and draft.draft_seconds(3, 2) == 0.004
+    assert draft.draft_seconds(8, 1) == pytest.approx(0.004)  # linear beyond the profiled rows
+    with pytest.raises(ValueError, match="profiled up to 3"):
+        draft.draft_seconds(1, 4)
+    with pytest.raises(ValueError, match="same number of depths"):
+        DraftCost((1, 2), ((0.1,), (0.1, 0.2)))
+    flat = PaddedCostTable.from_dict({4: {w: 0.01 for w in range(1, 5)}})
+    sure, hopeless = [[0.9, 0.8, 0.7]] * 4, [[0.01, 0.001, 0.0]] * 4
+    assert plan_draft_depth(sure, flat, DraftCost.from_dict({4: [0.0] * 3}), 3) == 3  # free drafting, free width
+    assert plan_draft_depth(hopeless, flat, draft, 3) == 0  # skip the drafter: it cannot pay for itself
+    costly_slots = DraftCost.from_dict({4: [0.001, 0.02, 0.04]})
+    assert plan_draft_depth(sure, flat, costly_slots, 3) == 1
+    with pytest.raises(ValueError, match="max_depth=3"):
+        plan_draft_depth([[0.9]], flat, draft, 3)
+
+
+# ------------------------------------------------------------------------------------ Appendix A
+P_TARGET = {"A": 0.7, "B": 0.3}
+P_DRAFT = {"A": 0.5, "B": 0.5}
+C2 = {"A": 0.9, "B": 0.0}  # the confidence of slot 2 depends on the sampled first draft
+A1 = 0.8
+COST = CostTable.from_dict({1: 1.0, 2: 0.5, 3: 0.45})
+
+
+def first_token_distribution(verify_length) -> dict:
+    """Exact output distribution of the first token when the drafter samples x1 ~ P_DRAFT and the scheduler,
+    seeing the block's survival [a1, a1 * c2(x1)], decides whether x1 is verified (speculative sampling)."""
+    residual = {t: max(P_TARGET[t] - P_DRAFT[t], 0.0) for t in P_TARGET}
+    z = sum(residual.values())
+    out = {t: 0.0 for t in P_TARGET}
+    for x1, q in P_DRAFT.items():
+        if verify_length([[A1, A1 * C2[x1]]]) == 0:  # the target samples the token itself
+            for t, p in P_TARGET.items():
+                out[t] += q * p
+            continue
+        accept = min(1.0, P_TARGET[x1] / P_DRAFT[x1])
+        out[x1] += q * accept
+        for t in out:
+            out[t] += q * (1 - accept) * residual[t] / z
+    return out
+
+
+def test_appendix_a_look_ahead_is_biased():
+    out = first_token_distribution(lambda s: schedule_full_search(s, COST)[0])
+    assert out["A"] == pytest.approx(0.85) and out["B"] == pytest.approx(0.15)
+
+
+def test_appendix_a_algorithm1_is_exact():
+    assert schedule_algorithm1([[A1, A1 * 0.9]], COST) == [0]  # Theta_1 = 0.9 <= Theta_0 = 1: stop at once
+    out = first_token_distribution(lambda s: schedule_algorithm1(s, COST)[0])
+    assert out["A"] == pytest.approx(0.7) and out["B"] == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("stale", [[[A1, A1 * 0.9]], [[A1, 0.0]], [[0.1]]], ids=["K=2", "K=0", "other"])
+def test_appendix_a_asynchronous_variant_is_exact(stale):
+    capacity = async_capacity(stale, COST)  # from old confidences only
+    out = first_token_distribution(lambda s: schedule_top_k(s, capacity)[0])
+    assert out["A"] == pytest.approx(0.7) and out["B"] == pytest.approx(0.3)
