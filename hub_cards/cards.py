@@ -75,7 +75,8 @@ def drafter_card(folder: str | Path, *, target_repo: str = DEFAULT_TARGET_REPO, 
         "",
         f"{description}, for [{target_repo}](https://huggingface.co/{target_repo}): {layers} draft layer(s), "
         f"{block} drafts per round, target feature layers {config.get('target_layer_ids')}. The target's embedding "
-        "and LM head are not stored; the folder carries its modeling code (`trust_remote_code`).",
+        "and LM head are not stored. The folder carries its code (`trust_remote_code`): the model and the hook that "
+        "routes `generate(assistant_model=drafter)` to its drafting, so nothing else needs installing.",
         "",
         "## Usage",
         "",
@@ -84,7 +85,6 @@ def drafter_card(folder: str | Path, *, target_repo: str = DEFAULT_TARGET_REPO, 
         "from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer",
         f'target = AutoModelForCausalLM.from_pretrained("{target_repo}", dtype=torch.bfloat16)',
         f'tokenizer = AutoTokenizer.from_pretrained("{target_repo}")',
-        "import modeling_dspark  # the DSpark package: routes generate(assistant_model=...) to this drafter",
         f'drafter = AutoModel.from_pretrained("{repo_id or "<this repo>"}", dtype=torch.bfloat16, trust_remote_code=True)',
         'ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12*13?"}], add_generation_prompt=True,',
         '                                    return_tensors="pt", return_dict=True)["input_ids"]',
