@@ -7,6 +7,10 @@ gets our generator and every other assistant goes to the original chain unchange
 ``_prepare_generation_config`` so ``dspark_*`` settings can be passed as keywords, and ``_assisted_decoding`` so
 our generator sees the stopping criteria (to end a block on a stop). The no-patching form
 is :func:`dspark_generate`, passed as ``generate(custom_generate=dspark_generate, dspark_model=drafter)``.
+
+Building a drafter installs the hook (``DSparkModel`` / ``Eagle3DrafterModel`` call :func:`install_generate_hook`),
+so a drafter loaded from its folder's remote code, where this module is one of the folder's files, routes
+``generate()`` without the project installed.
 """
 
 from __future__ import annotations
