@@ -91,3 +91,14 @@ def test_importing_the_model_package_does_not_import_decoding():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout.split("\n")
     assert out[0] == "[]" and out[1] == "False"
+
+
+def test_default_data_paths_are_the_shared_folders():
+    """Modules that moved keep pointing at ``../shared`` and the repository's ``training_data``."""
+    from generation.evaluation.prompts import EVAL_DIR
+    from modeling_dspark.training.bench_train import DEFAULT_DATA
+    from modeling_dspark.training.data import DEFAULT_TRAIN_DIR
+
+    assert EVAL_DIR == ROOT.parent / "shared" / "data" / "eval"
+    assert DEFAULT_TRAIN_DIR == ROOT.parent / "shared" / "data" / "train"
+    assert DEFAULT_DATA == ROOT / "training_data" / "smollm2_regen.jsonl.gz"

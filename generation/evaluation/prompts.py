@@ -18,7 +18,7 @@ import torch
 
 __all__ = ["chat_input_ids", "load_eval_prompts", "measure_speed", "measure_tau", "verified_rounds"]
 
-EVAL_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
+EVAL_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "eval"
 PAPER_SEED = 980406  # DeepSpec's eval.py: random.Random(seed).shuffle(rows), then the first n
 
 

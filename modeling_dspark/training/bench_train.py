@@ -32,6 +32,7 @@ RECIPES = {
     "default+cache": dict(markov_rank=256, num_anchors=256, draft_vocab_size=8192, bf16="auto", target_cache=True),
     "shipped-v1": dict(markov_rank=64, num_anchors=32, draft_vocab_size=0, bf16="off", target_cache=False),
 }
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "training_data" / "smollm2_regen.jsonl.gz"
 
 
 def cpu_description() -> str:
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_arguments(parser, dtype=False)
-    parser.add_argument("--data", default=str(Path(__file__).resolve().parents[1] / "training_data" / "smollm2_regen.jsonl.gz"))
+    parser.add_argument("--data", default=str(DEFAULT_DATA))
     parser.add_argument("--recipes", nargs="+", default=["default", "default+cache", "shipped-v1"], choices=sorted(RECIPES))
     parser.add_argument("--steps", type=int, default=4, help="timed steps per recipe (after one warm-up step)")
     parser.add_argument("--batch-size", type=int, default=4)

@@ -33,7 +33,7 @@ __all__ = [
 
 # SmolLM2-Instruct model card's recommended sampling; the paper regenerates with the target's own settings.
 SAMPLING = {"smollm2-135m-instruct": dict(do_sample=True, temperature=0.2, top_p=0.9, top_k=0)}
-DEFAULT_TRAIN_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "train"
+DEFAULT_TRAIN_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "train"
 
 
 def load_prompts(train_dir: str | Path = DEFAULT_TRAIN_DIR, *, num_prompts: int, seed: int = 0, domains=("math", "code", "chat")):
