@@ -17,7 +17,7 @@ __all__ = ["main"]
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, then explain it briefly."
 # Where the trained SmolLM2 drafter is shipped (training issue); a random drafter is used until it exists.
-SHIPPED_DRAFTER = Path(__file__).resolve().parents[1] / "checkpoints" / "dspark-smollm2-135m-instruct-v4"
+SHIPPED_DRAFTER = Path(__file__).resolve().parents[1] / "checkpoints" / "dspark-smollm2-135m-instruct-v5"
 
 
 def _timed_generate(target, input_ids, **kwargs):

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     from modeling_dspark import load_target
 
     target_name = os.environ.get("DSPARK_TARGET", "smollm2-135m-instruct")
-    drafter_path = os.environ.get("DSPARK_DRAFTER", str(ROOT / "checkpoints" / "dspark-smollm2-135m-instruct-v4"))
+    drafter_path = os.environ.get("DSPARK_DRAFTER", str(ROOT / "checkpoints" / "dspark-smollm2-135m-instruct-v5"))
     target, tokenizer = load_target(target_name)  # auto: bf16 where this CPU has fast bf16, else fp32
     drafter = load_drafter(drafter_path, dtype=target.dtype)
     demo = build_demo(

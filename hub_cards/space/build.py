@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ["modeling_dspark", "generation", "hub_cards", "checkpoints/dspark-smollm2-135m-instruct-v4"]
+PARTS = ["modeling_dspark", "generation", "hub_cards", "checkpoints/dspark-smollm2-135m-instruct-v5"]
 
 
 def build_space(out: str | Path) -> list[str]:

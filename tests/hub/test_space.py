@@ -100,7 +100,7 @@ def test_space_folder_build(tmp_path):
 
     files = build_space(tmp_path / "space")
     assert "README.md" in files and "requirements.txt" in files and "hub_cards/space/app.py" in files
-    assert "checkpoints/dspark-smollm2-135m-instruct-v4/model.safetensors" in files
+    assert "checkpoints/dspark-smollm2-135m-instruct-v5/model.safetensors" in files
     header = (tmp_path / "space" / "README.md").read_text().split("---")[1]
     assert "sdk: gradio" in header and "app_file: hub_cards/space/app.py" in header
 
