@@ -19,12 +19,11 @@ WEIGHTS = ("model.safetensors", "adapter_model.safetensors")
 
 def drafter_class(model_type: str | None):
     """The drafter class of a folder's ``model_type``."""
-    from modeling_dspark import DSparkModel, Eagle3DrafterModel
+    from modeling_dspark import DRAFTER_CLASSES
 
-    classes = {"dspark": DSparkModel, "eagle3_drafter": Eagle3DrafterModel}
-    if model_type not in classes:
-        raise ValueError(f"model_type {model_type!r} is not a drafter of this project ({', '.join(classes)})")
-    return classes[model_type]
+    if model_type not in DRAFTER_CLASSES:
+        raise ValueError(f"model_type {model_type!r} is not a drafter of this project ({', '.join(DRAFTER_CLASSES)})")
+    return DRAFTER_CLASSES[model_type]
 
 
 def remote_code_files(folder: str | Path) -> list[str]:

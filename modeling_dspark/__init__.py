@@ -16,10 +16,12 @@ from .checkpoint.markov_head import RNNMarkovHead, VanillaMarkovHead, build_mark
 from .checkpoint.model import DSparkModel, DSparkModelOutput, DSparkPreTrainedModel, build_target_layer_ids
 from .targets import KNOWN_TARGETS, load_target, locate_gguf
 
-AutoConfig.register("dspark", DSparkConfig, exist_ok=True)
-AutoModel.register(DSparkConfig, DSparkModel, exist_ok=True)
-AutoConfig.register("eagle3_drafter", Eagle3DrafterConfig, exist_ok=True)  # the paper's autoregressive baseline
-AutoModel.register(Eagle3DrafterConfig, Eagle3DrafterModel, exist_ok=True)
+# model_type -> drafter class (Eagle3: the paper's autoregressive baseline)
+DRAFTER_CLASSES = {"dspark": DSparkModel, "eagle3_drafter": Eagle3DrafterModel}
+for _model_type, _model_class in DRAFTER_CLASSES.items():
+    AutoConfig.register(_model_type, _model_class.config_class, exist_ok=True)
+    AutoModel.register(_model_class.config_class, _model_class, exist_ok=True)
+del _model_type, _model_class
 
 _LAZY = {"DSparkCollator": "training.trainer", "DSparkTrainer": "training.trainer", "DSparkTrainingArguments": "training.trainer"}
 
@@ -34,6 +36,7 @@ def __getattr__(name):
 
 
 __all__ = [
+    "DRAFTER_CLASSES",
     "DSparkCollator",
     "DSparkConfidenceHead",
     "DSparkConfig",

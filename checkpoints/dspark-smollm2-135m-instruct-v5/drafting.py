@@ -94,6 +94,7 @@ def draft_block(
     state = markov.initial_state(h[:, 0]) if markov is not None and num_slots else None
     alive = torch.ones(num_rows, dtype=torch.bool, device=anchor_ids.device)
     lengths = torch.zeros(num_rows, dtype=torch.long, device=anchor_ids.device)
+    survival = torch.ones(num_rows, dtype=torch.float64, device=anchor_ids.device)  # prefix_survival, slot by slot
     ids = prefix_ids
     base = None
     tokens, logits, confidences = [], [], []
@@ -102,7 +103,8 @@ def draft_block(
             z = drafter.confidence_logits(h[:, k], prev)  # [R]
             confidences.append(z)
             if threshold is not None:
-                alive = alive & (drafter.survival(torch.stack(confidences, dim=-1))[:, -1] >= threshold)
+                survival = survival * drafter.calibrated_confidence(z, position=k).double()
+                alive = alive & (survival >= threshold)
                 if not bool(alive.any()):
                     break
         if base is None:  # one LM-head matmul for the block, skipped when slot 1 is already cut everywhere
