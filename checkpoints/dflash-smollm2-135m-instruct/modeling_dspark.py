@@ -107,13 +107,17 @@ def block_sparse_attention(query, key, value, block_context_mask, scaling: float
     query = query * scaling  # on the small tensor, not on the scores
     ctx_scores = torch.matmul(query, ctx_k.transpose(-1, -2))  # [B, H, N G, C]
     sees = block_context_mask.repeat_interleave(gamma, dim=1)[:, None]  # [B, 1, N G, C]
-    ctx_scores = ctx_scores.masked_fill(~sees, torch.finfo(ctx_scores.dtype).min)
+    ctx_scores.masked_fill_(~sees, torch.finfo(ctx_scores.dtype).min)  # in place: matmul's backward does not read its output
     q_blocks = query.reshape(bsz, heads, num_blocks, gamma, head_dim)
     blk_scores = torch.matmul(q_blocks, blk_k.transpose(-1, -2))  # [B, H, N, G, G]
     scores = torch.cat([ctx_scores.view(bsz, heads, num_blocks, gamma, ctx_len), blk_scores.to(ctx_scores.dtype)], dim=-1)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)  # normalised in fp32
-    out = torch.matmul(probs[..., :ctx_len].reshape(bsz, heads, q_len, ctx_len), ctx_v)
-    out = out + torch.matmul(probs[..., ctx_len:], blk_v).reshape(bsz, heads, q_len, head_dim)
+    # in the scores' dtype: a bf16 softmax accumulates in fp32 (on CPU and CUDA), so the probabilities equal those of
+    # an fp32 softmax rounded to bf16 without writing the [B, H, N, G, C + G] scores out in fp32 and back
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    # split, not sliced: a slice's backward writes a zero tensor of the scores' whole shape per slice
+    ctx_probs, blk_probs = probs.split([ctx_len, gamma], dim=-1)
+    out = torch.matmul(ctx_probs.reshape(bsz, heads, q_len, ctx_len), ctx_v)
+    out = out + torch.matmul(blk_probs, blk_v).reshape(bsz, heads, q_len, head_dim)
     return out.transpose(1, 2)
 
 

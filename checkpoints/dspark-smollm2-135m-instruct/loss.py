@@ -169,12 +169,14 @@ def target_distribution(
     for start in range(0, where.shape[0], chunk_rows):
         idx = where[start : start + chunk_rows]
         hidden = target_last_hidden[idx[:, 0], idx[:, 1]]
-        full = torch.softmax(lm_head(hidden.to(lm_head.weight.dtype)), dim=-1, dtype=torch.float32)
+        # softmax in the logits' dtype: a bf16 softmax accumulates in fp32 and rounds once, far below the rounding
+        # the bf16 logits already carry, and fp32 is taken only of the draft vocabulary's columns
+        full = torch.softmax(lm_head(hidden.to(lm_head.weight.dtype)), dim=-1)
         rows = slice(1 + start, 1 + start + idx.shape[0])
         if draft_ids is None:
             probs[rows] = full
         else:
-            inside = full.index_select(-1, draft_ids.to(full.device))
+            inside = full.index_select(-1, draft_ids.to(full.device)).float()
             probs[rows] = inside
             outside[rows] = (1.0 - inside.sum(-1)).clamp(min=0.0)
     row = torch.zeros(bsz, seq_len, dtype=torch.long, device=logit_index.device)

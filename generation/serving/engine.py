@@ -302,13 +302,15 @@ class DSparkEngine:
         ids = torch.tensor([r.prompt_ids + [self.pad_token_id] * (width - len(r.prompt_ids)) for r in new], device=device)
         valid = torch.arange(width, device=device)[None] < lengths[:, None]
         cache = DynamicCache()
+        # logits only where a prompt ends: all [rows, width, vocabulary] of them is gigabytes for a large batch
+        ends, end_index = torch.unique(lengths - 1, return_inverse=True)
         out = self.target(
             input_ids=ids, attention_mask=valid.long(), position_ids=torch.arange(width, device=device)[None].expand(len(new), -1),
-            cache=cache, use_cache=True, **self._feature_kwargs(),
+            cache=cache, use_cache=True, logits_to_keep=ends, **self._feature_kwargs(),
         )  # fmt: skip
         rows = torch.arange(len(new), device=device)
         process, greedy = self._sampling(new)
-        last = process(out.logits[rows, lengths - 1].float())
+        last = process(out.logits[rows, end_index].float())
         first = sample_tokens(last, greedy).tolist()
         features = self.drafter.context_features(out.hidden_states) if self.drafter is not None else None
         self.target_cache.append_rows(RaggedCache(cache, valid.cpu()))

@@ -14,7 +14,7 @@ import torch
 
 from generation.decoding.drafting import sample_categorical
 
-__all__ = ["process_logits", "sample_tokens", "verify_drafts"]
+__all__ = ["process_logits", "sample_tokens", "top_p_filter", "verify_drafts"]
 
 
 def process_logits(
@@ -31,13 +31,40 @@ def process_logits(
         kth = scaled.sort(dim=-1, descending=True).values.gather(-1, (k - 1).view(shape).expand(*scaled.shape[:-1], 1))
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if bool((top_p < 1.0).any()):
-        sorted_logits, order = scaled.sort(dim=-1, descending=False)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        remove = cumulative <= (1 - top_p).view(shape).to(cumulative.dtype)
-        remove[..., -1] = False  # keep at least the most likely token
-        remove = remove.scatter(-1, order, remove)
-        scaled = scaled.masked_fill(remove & (top_p < 1.0).view(shape), float("-inf"))
+        scaled = top_p_filter(scaled, top_p)
     return torch.where(greedy.view(shape), logits, scaled)
+
+
+def top_p_filter(scaled: torch.Tensor, top_p: torch.Tensor, candidates: int = 256) -> torch.Tensor:
+    """``scaled`` [R, ..., V] with -inf on the tokens Transformers' ``TopPLogitsWarper`` drops: those whose ascending
+    cumulative probability is at most ``1 - top_p`` (at least the most likely token stays); rows with ``top_p >= 1``
+    untouched.
+
+    A token is dropped exactly when the tokens more likely than it already hold ``top_p`` of the mass, so the
+    ``candidates`` most likely tokens decide every row whose candidates reach ``top_p``; only the other rows sort
+    the whole vocabulary (sorting 49k logits per row was a fifth of a batched decoding step). Exact ties with the
+    least likely kept token are kept."""
+    shape = (-1,) + (1,) * (scaled.dim() - 1)
+    threshold = (1 - top_p).view(shape).to(torch.float32)
+    active = (top_p < 1.0).view(shape)
+    k = min(candidates, scaled.shape[-1])
+    values = scaled.topk(k, dim=-1).values  # descending
+    probs = (values.float() - scaled.float().logsumexp(-1, keepdim=True)).exp()
+    before = probs.cumsum(-1) - probs  # mass of the more likely candidates
+    keep = (1 - before) > threshold
+    keep[..., 0] = True
+    # decided: a candidate was dropped (so is every less likely token), the row keeps everything, or k is all of V
+    decided = ~keep[..., -1:] | ~active | (k == scaled.shape[-1])
+    cutoff = values.masked_fill(~keep, float("inf")).amin(-1, keepdim=True)  # the least likely kept logit
+    filtered = scaled.masked_fill((scaled < cutoff) & active, float("-inf"))
+    if bool(decided.all()):
+        return filtered
+    sorted_logits, order = scaled.sort(dim=-1, descending=False)
+    cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    remove = cumulative <= threshold.to(cumulative.dtype)
+    remove[..., -1] = False  # keep at least the most likely token
+    remove = remove.scatter(-1, order, remove)
+    return torch.where(decided, filtered, scaled.masked_fill(remove & active, float("-inf")))
 
 
 def sample_tokens(processed: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,12 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import random
+import signal
+import sys
 import time
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -27,6 +31,7 @@ __all__ = [
     "chat_prompt_ids",
     "load_prompts",
     "read_responses",
+    "write_responses",
     "regenerate_responses",
     "split_holdout",
 ]
@@ -62,24 +67,75 @@ def _open(path: Path, mode: str):
     return gzip.open(path, mode + "t") if path.suffix == ".gz" else open(path, mode)
 
 
-def read_responses(path: str | Path) -> list[dict]:
-    """Every complete response line of ``path``. A run stopped mid-write leaves a truncated last line (or gzip
-    member); what precedes it is kept, so appending to the same file resumes."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    rows = []
-    with _open(path, "r") as f:
-        try:
-            for line in f:
-                if line.strip():
+def _gzip_members_text(data: bytes) -> tuple[bytes, bool]:
+    """The text of every gzip member in ``data`` and whether each was whole.
+
+    A run killed mid-write leaves a member without its end, and a later run appends its own members after it, so
+    a plain gzip reader stops (or fails) at the break. Each member is decoded on its own; after a broken one
+    decoding resumes at the next member header, and of the broken member only its whole lines are kept."""
+    parts, whole, pos = [], True, 0
+    while pos < len(data):
+        start, decoder, out = pos, zlib.decompressobj(wbits=31), []
+        while pos < len(data) and not decoder.eof:
+            chunk, before = data[pos : pos + 65536], decoder.copy()
+            try:
+                out.append(decoder.decompress(chunk))
+            except zlib.error:  # the break is in this chunk: decode up to it byte by byte, keeping what comes out
+                decoder = before
+                for i in range(len(chunk)):
                     try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        break  # the line being written when the run stopped
-        except (EOFError, gzip.BadGzipFile):
-            pass  # a gzip member without its end marker: the lines before it are whole
-    return rows
+                        out.append(decoder.decompress(chunk[i : i + 1]))
+                    except zlib.error:
+                        break
+                break
+            pos += len(chunk)
+        if decoder.eof:
+            pos -= len(decoder.unused_data)
+            parts.append(b"".join(out))
+            continue
+        whole = False
+        text = b"".join(out)
+        parts.append(text[: text.rfind(b"\n") + 1])
+        following = data.find(b"\x1f\x8b\x08", start + 1)
+        pos = following if following >= 0 else len(data)
+    return b"".join(parts), whole
+
+
+def _read_response_lines(path: Path) -> tuple[list[dict], bool]:
+    """(rows, whole): every complete response line of ``path``, and whether the file had no broken part."""
+    if not path.is_file():
+        return [], True
+    data = path.read_bytes()
+    text, whole = _gzip_members_text(data) if path.suffix == ".gz" else (data, True)
+    rows = []
+    for line in text.decode("utf-8", errors="replace").splitlines():
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                whole = False  # the line being written when a run stopped
+                continue
+            if isinstance(row, dict) and "response_ids" in row:
+                rows.append(row)
+    return rows, whole
+
+
+def read_responses(path: str | Path) -> list[dict]:
+    """Every complete response line of ``path`` (JSONL, optionally gzip). What a run stopped mid-write left broken
+    (a truncated line, a gzip member without its end, with later runs' members after it) is skipped and everything
+    else kept, so appending to the same file resumes."""
+    return _read_response_lines(Path(path))[0]
+
+
+def write_responses(path: str | Path, rows: Iterable[dict]) -> None:
+    """Write ``rows`` as ``path`` anew (one gzip member for ``.gz``), through a temporary file so that a run stopped
+    meanwhile leaves the old file intact."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with (gzip.open(tmp, "wt", compresslevel=9) if path.suffix == ".gz" else open(tmp, "w")) as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
 
 
 @torch.no_grad()
@@ -116,7 +172,10 @@ def regenerate_responses(
         raise ValueError("the engine samples with temperature and top-p only; pass top_k=0 or backend='generate'")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = {row["id"] for row in read_responses(out_path)}
+    existing, whole = _read_response_lines(out_path)
+    if not whole:  # rewrite what a stopped run left broken, so the members appended now follow whole ones
+        write_responses(out_path, existing)
+    done = {row["id"] for row in existing}
     todo = []
     for row in prompts:
         if row["id"] in done:
@@ -219,7 +278,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--domains", nargs="+", default=["math", "code", "chat"])
     parser.add_argument("--exclude", nargs="*", default=[], help="response files whose prompt ids are skipped (fresh data)")
+    parser.add_argument(
+        "--compact", action="store_true",
+        help="only rewrite --out as one gzip member (smaller; what to commit after runs that were stopped and resumed)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.compact:
+        rows = read_responses(args.out)
+        write_responses(args.out, rows)
+        print(f"{len(rows)} responses, {sum(len(r['response_ids']) for r in rows)} response tokens in {args.out}")
+        return 0
+    # a stop by `kill` closes the file (its gzip member ends whole) instead of leaving it cut mid-member
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     target, tokenizer = load_target(args.target)
     excluded = {row["id"] for path in args.exclude for row in read_responses(path)}
     prompts = load_prompts(args.train_dir, num_prompts=args.num_prompts + len(excluded), seed=args.seed, domains=tuple(args.domains))

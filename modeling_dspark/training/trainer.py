@@ -5,6 +5,10 @@ drafter-only folder. The frozen target provides the context features and the tar
 batch samples ``num_anchors`` anchors per sequence and computes :func:`modeling_dspark.training.loss.compute_dspark_loss`.
 The DFlash baseline is the same trainer with ``ce_alpha=1, l1_alpha=0, confidence_alpha=0`` and a drafter
 without Markov and confidence heads.
+
+On a CPU the trainer sets glibc's malloc to keep freed memory in the process
+(:func:`modeling_dspark.training.memory.keep_freed_memory`): a step's large tensors then reuse the previous step's
+pages instead of faulting in new ones.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from transformers import Trainer, TrainingArguments
 
 from modeling_dspark.metrics import expected_tau_from_sums
 from modeling_dspark.training.loss import sample_anchor_positions
+from modeling_dspark.training.memory import keep_freed_memory
 from modeling_dspark.training.target_cache import target_features
 
 __all__ = ["DSparkCollator", "DSparkTrainer", "DSparkTrainingArguments"]
@@ -33,7 +38,7 @@ class DSparkTrainingArguments(TrainingArguments):
     )
     loss_decay: float = field(default=4.0, metadata={"help": "position weights exp(-k / loss_decay), k 0-based"})
     num_anchors: int | None = field(default=None, metadata={"help": "anchors per sequence (default: drafter config)"})
-    logits_chunk_size: int = field(default=16, metadata={"help": "blocks whose draft logits are formed at once"})
+    logits_chunk_size: int = field(default=64, metadata={"help": "blocks whose draft logits are formed at once"})
     logits_memory_gb: float = field(default=6.0, metadata={"help": "above this, chunk logits are recomputed in backward"})
     remove_unused_columns: bool = False  # the drafter's forward does not take the dataset's columns
 
@@ -82,6 +87,8 @@ class DSparkTrainer(Trainer):
         pad = getattr(target.generation_config, "pad_token_id", None) or 0
         super().__init__(model=model, args=args, data_collator=data_collator or DSparkCollator(pad), **kwargs)
         self.target.to(self.args.device)
+        if self.args.device.type == "cpu":
+            keep_freed_memory()  # a third of a CPU step is otherwise spent faulting in pages for its large tensors
         self._dspark_logs: dict[str, list] = defaultdict(list)
         self._eval_prefix: str | None = None  # set while evaluate() runs
         self.predicted_positions = 0  # supervised block slots trained on (the training budget's unit)

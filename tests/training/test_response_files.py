@@ -1,0 +1,52 @@
+"""Response files survive stopped runs: a gzip member cut mid-write, with a later run's members appended after it,
+loses only the line being written, and the generator rewrites such a file before appending."""
+
+import gzip
+import json
+import zlib
+
+from modeling_dspark.training.data import _read_response_lines, read_responses, write_responses
+
+
+def row(i: int) -> dict:
+    return {"id": f"p{i}", "domain": "math", "prompt_ids": [1, 2], "response_ids": list(range(i, i + 40)), "finished": True}
+
+
+def member(rows, cut: int | None = None) -> bytes:
+    text = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    whole = gzip.compress(text)
+    if cut is None:
+        return whole
+    # what a killed writer leaves: the header and the deflate stream flushed so far, without its end
+    compressor = zlib.compressobj(9, zlib.DEFLATED, 31)
+    flushed = compressor.compress(text[:cut]) + compressor.flush(zlib.Z_SYNC_FLUSH)
+    return flushed
+
+
+def test_a_member_cut_mid_write_with_members_after_it_keeps_every_whole_line(tmp_path):
+    path = tmp_path / "responses.jsonl.gz"
+    first, cut_rows, later = [row(0), row(1)], [row(2), row(3)], [row(4), row(5)]
+    partial = len(json.dumps(cut_rows[0])) + 1 + 20  # row 2 whole, row 3 cut in the middle
+    path.write_bytes(member(first) + member(cut_rows, cut=partial) + member(later))
+    try:  # what a plain gzip reader makes of it
+        gzip.decompress(path.read_bytes())
+        plain_fails = False
+    except (EOFError, zlib.error, gzip.BadGzipFile):
+        plain_fails = True
+    assert plain_fails
+    rows, whole = _read_response_lines(path)
+    assert [r["id"] for r in rows] == ["p0", "p1", "p2", "p4", "p5"] and not whole
+    assert read_responses(path) == rows
+    write_responses(path, rows)
+    assert _read_response_lines(path) == (rows, True)
+    assert len(gzip.decompress(path.read_bytes()).splitlines()) == 5  # one whole member now
+
+
+def test_a_truncated_last_member_and_plain_jsonl(tmp_path):
+    path = tmp_path / "responses.jsonl.gz"
+    path.write_bytes(member([row(0), row(1)]) + member([row(2)], cut=10))
+    assert [r["id"] for r in read_responses(path)] == ["p0", "p1"]
+    plain = tmp_path / "responses.jsonl"
+    plain.write_text(json.dumps(row(0)) + "\n" + json.dumps(row(1))[:30])
+    assert _read_response_lines(plain) == ([row(0)], False)
+    assert read_responses(tmp_path / "missing.jsonl.gz") == []
