@@ -131,8 +131,8 @@ def write_responses(path: str | Path, rows: Iterable[dict]) -> None:
     """Write ``rows`` as ``path`` anew (one gzip member for ``.gz``), through a temporary file so that a run stopped
     meanwhile leaves the old file intact."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with (gzip.open(tmp, "wt", compresslevel=9) if path.suffix == ".gz" else open(tmp, "w")) as f:
+    tmp = path.with_name(f".{path.name}")  # the same suffix, so _open compresses alike
+    with _open(tmp, "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     os.replace(tmp, path)
