@@ -210,6 +210,7 @@ class DSparkEngine:
         eos = target.generation_config.eos_token_id
         self.default_eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.active: list[EngineRequest] = []
+        self._rows: list[EngineRequest | None] = []  # the request of each cache row; None: free, its request left
         self.waiting: list[EngineRequest] = []
         self.finished: dict[int, EngineRequest] = {}
         self.target_cache = RaggedCache()
@@ -313,15 +314,34 @@ class DSparkEngine:
         last = process(out.logits[rows, end_index].float())
         first = sample_tokens(last, greedy).tolist()
         features = self.drafter.context_features(out.hidden_states) if self.drafter is not None else None
-        self.target_cache.append_rows(RaggedCache(cache, valid.cpu()))
+        # newcomers take the rows of requests that left first (written in place), the rest are appended
+        free = [i for i, r in enumerate(self._rows) if r is None][: len(new)]
+        joined = RaggedCache(cache, valid.cpu())
+        self.target_cache.replace_rows(free, joined.select_rows(range(len(free))))
+        self.target_cache.append_rows(joined.select_rows(range(len(free), len(new))))
         if self.drafter is not None:
-            self.draft_cache.append_rows(RaggedCache(DynamicCache(), torch.zeros(len(new), 0, dtype=torch.bool)))
+            self.draft_cache.replace_rows(free, RaggedCache(valid=torch.zeros(len(free), 0, dtype=torch.bool)))
+            self.draft_cache.append_rows(RaggedCache(valid=torch.zeros(len(new) - len(free), 0, dtype=torch.bool)))
         for i, r in enumerate(new):
             if features is not None:
                 r.pending_features = features[i, : len(r.prompt_ids)]
+            if i < len(free):
+                self._rows[free[i]] = r
+            else:
+                self._rows.append(r)
             self.active.append(r)
             self._commit(r, [first[i]])
         return new
+
+    def _drop_free_rows(self) -> None:
+        """Drop the rows no request holds, so that every row of the next forward is a live request."""
+        keep = [i for i, r in enumerate(self._rows) if r is not None]
+        if len(keep) < len(self._rows):
+            self.target_cache.keep_rows(keep)
+            if self.drafter is not None:
+                self.draft_cache.keep_rows(keep)
+            self._rows = [self._rows[i] for i in keep]
+        self.active = list(self._rows)
 
     @torch.no_grad()
     def _draft(self, requests, depth: int):
@@ -426,6 +446,7 @@ class DSparkEngine:
         if self.waiting:
             self._prefill()
             done += self._retire()
+        self._drop_free_rows()
         requests = self.active
         if not requests:
             return done
@@ -539,11 +560,9 @@ class DSparkEngine:
     def _retire(self) -> list[EngineRequest]:
         done = [r for r in self.active if r.finished]
         if done:
-            keep = [i for i, r in enumerate(self.active) if not r.finished]
-            self.target_cache.keep_rows(keep)
-            if self.drafter is not None:
-                self.draft_cache.keep_rows(keep)
-            self.active = [self.active[i] for i in keep]
+            # their rows stay until the next step: a request joining then takes one over without copying the cache
+            self._rows = [None if r is None or r.finished else r for r in self._rows]
+            self.active = [r for r in self.active if not r.finished]
             for r in done:
                 r.pending_features = None
                 self.finished[r.request_id] = r
