@@ -16,7 +16,8 @@ DTYPE_CHOICES = ("auto", "bf16", "fp32")
 __all__ = ["main"]
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, then explain it briefly."
-# Where the trained SmolLM2 drafter is shipped (training issue); a random drafter is used until it exists.
+# The shipped SmolLM2 drafter: the main job, the Space and its build read it from here; a random drafter is used
+# where the folder is missing.
 SHIPPED_DRAFTER = Path(__file__).resolve().parents[1] / "checkpoints" / "dspark-smollm2-135m-instruct-v5"
 
 

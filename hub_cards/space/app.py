@@ -173,11 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))  # Spaces set 0.0.0.0
     args = parser.parse_args(argv)
     import modeling_dspark  # noqa: F401  (the generate() hook)
+    from generation.cli import SHIPPED_DRAFTER
     from generation.evaluation.harness import load_drafter
     from modeling_dspark import load_target
 
     target_name = os.environ.get("DSPARK_TARGET", "smollm2-135m-instruct")
-    drafter_path = os.environ.get("DSPARK_DRAFTER", str(ROOT / "checkpoints" / "dspark-smollm2-135m-instruct-v5"))
+    drafter_path = os.environ.get("DSPARK_DRAFTER", str(SHIPPED_DRAFTER))
     target, tokenizer = load_target(target_name)  # auto: bf16 where this CPU has fast bf16, else fp32
     drafter = load_drafter(drafter_path, dtype=target.dtype)
     demo = build_demo(

@@ -13,8 +13,10 @@ import argparse
 import shutil
 from pathlib import Path
 
+from generation.cli import SHIPPED_DRAFTER
+
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ["modeling_dspark", "generation", "hub_cards", "checkpoints/dspark-smollm2-135m-instruct-v5"]
+PARTS = ["modeling_dspark", "generation", "hub_cards", SHIPPED_DRAFTER.relative_to(ROOT).as_posix()]
 
 
 def build_space(out: str | Path) -> list[str]:

@@ -6,6 +6,13 @@ The input holds one or more training runs (``runs``: name, ``positions_per_step`
 warm-started from another, ``held_out_expected_tau`` at its end, and ``log``: the trainer's logged steps with
 ``expected_tau`` and ``accept_rate@0`` of the training batches, analytic at T = 1). Writes ``learning_curve.png`` and
 ``learning_curve.md`` beside it.
+
+A run is appended from what training leaves behind (the trainer's ``trainer_state.json`` and the exported
+``training_budget.json``); one warm-started (``--init-from``) continues where the file's last run ended:
+
+    python -m modeling_dspark.training.learning_curve benchmarks/results/learning_curve/learning_curve.json \
+        --append runs/smollm2_v7/checkpoint-1350/trainer_state.json checkpoints/<drafter>/training_budget.json \
+        --name "v7: warm start from v6, 980k tokens"
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ import argparse
 import json
 from pathlib import Path
 
-__all__ = ["plot_learning_curve"]
+__all__ = ["append_run", "plot_learning_curve"]
+
+LOGGED = ("expected_tau", "accept_rate@0", "ce_loss", "learning_rate")
 
 
 def _smooth(values: list[float], window: int = 5) -> list[float]:
@@ -59,10 +68,54 @@ def plot_learning_curve(path: str | Path) -> Path:
     return out
 
 
+def append_run(path: str | Path, name: str, trainer_state: str | Path, budget: str | Path) -> dict:
+    """Add a training run to the learning-curve file (created if missing) and return the entry."""
+    path = Path(path)
+    data = json.loads(path.read_text()) if path.is_file() else {"runs": [], "source": ""}
+    state = json.loads(Path(trainer_state).read_text())
+    budget_data = json.loads(Path(budget).read_text())
+    log = [{"step": e["step"], **{k: e[k] for k in LOGGED}} for e in state["log_history"] if all(k in e for k in LOGGED)]
+    if not log:
+        raise ValueError(f"{trainer_state} logs no training steps with {', '.join(LOGGED)}")
+    held_out = (budget_data.get("held_out_eval") or {}).get("eval_expected_tau")
+    if held_out is None:
+        raise ValueError(f"{budget} has no held-out evaluation (eval_expected_tau)")
+    if any(run["name"] == name for run in data["runs"]):
+        raise ValueError(f"{path} already has a run named {name!r}")
+    offset = 0.0
+    if budget_data.get("arguments", {}).get("init_from") and data["runs"]:
+        last = data["runs"][-1]
+        offset = last["offset_positions"] + last["log"][-1]["step"] * last["positions_per_step"]
+    entry = {
+        "name": name,
+        "positions_per_step": budget_data["predicted_positions_this_run"] / budget_data["steps"],
+        "offset_positions": offset,
+        "held_out_expected_tau": held_out,
+        "log": log,
+    }
+    data["runs"].append(entry)
+    source = f"{Path(trainer_state).parent} ({Path(trainer_state).name}) with {budget}"
+    data["source"] = f"{data['source']}; {source}" if data.get("source") else f"log_history of {source}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return entry
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", help="learning_curve.json")
+    parser.add_argument("--append", nargs=2, metavar=("TRAINER_STATE", "TRAINING_BUDGET"), help="add this run first")
+    parser.add_argument("--name", help="the appended run's label")
     args = parser.parse_args(argv)
+    if args.append:
+        if not args.name:
+            parser.error("--append needs --name")
+        for file in args.append:
+            if not Path(file).is_file():
+                parser.error(f"{file} is not a file")
+        append_run(args.path, args.name, *args.append)
+    elif args.name:
+        parser.error("--name labels an --append run")
     if not Path(args.path).is_file():
         parser.error(f"{args.path} is not a file")
     print(plot_learning_curve(args.path).read_text())

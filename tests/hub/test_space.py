@@ -96,11 +96,12 @@ def test_demo_in_a_real_browser(demo_url, tmp_path):
 
 
 def test_space_folder_build(tmp_path):
-    from hub_cards.space.build import build_space
+    from generation.cli import SHIPPED_DRAFTER
+    from hub_cards.space.build import ROOT, build_space
 
     files = build_space(tmp_path / "space")
     assert "README.md" in files and "requirements.txt" in files and "hub_cards/space/app.py" in files
-    assert "checkpoints/dspark-smollm2-135m-instruct-v5/model.safetensors" in files
+    assert f"{SHIPPED_DRAFTER.relative_to(ROOT).as_posix()}/model.safetensors" in files
     header = (tmp_path / "space" / "README.md").read_text().split("---")[1]
     assert "sdk: gradio" in header and "app_file: hub_cards/space/app.py" in header
 

@@ -77,3 +77,31 @@ def test_learning_curve_plot_and_table(tmp_path):
     path.write_text(json.dumps({"runs": []}))
     with pytest.raises(ValueError, match="no runs"):
         plot_learning_curve(path)
+
+
+def test_learning_curve_appends_a_warm_started_run_after_the_last(tmp_path):
+    import json
+
+    from modeling_dspark.training.learning_curve import main
+
+    def run_files(name, steps, positions, init_from):
+        log = [{"step": s, "loss": 2.0, "expected_tau": 1 + s / 100, "accept_rate@0": s / 200, "ce_loss": 3.0, "learning_rate": 1e-3}
+               for s in range(10, steps + 1, 10)]  # fmt: skip
+        log.append({"step": steps, "train_runtime": 1.0})  # the trainer's closing entry, not a logged step
+        state, budget = tmp_path / f"{name}_state.json", tmp_path / f"{name}_budget.json"
+        state.write_text(json.dumps({"log_history": log}))
+        budget.write_text(json.dumps({"steps": steps, "predicted_positions_this_run": positions, "arguments": {"init_from": init_from},
+                                      "held_out_eval": {"eval_expected_tau": 1.5}}))  # fmt: skip
+        return [str(state), str(budget)]
+
+    path = tmp_path / "curve" / "learning_curve.json"
+    assert main([str(path), "--append", *run_files("a", 30, 3e6, None), "--name", "a"]) == 0
+    assert main([str(path), "--append", *run_files("b", 20, 1e6, "a"), "--name", "b"]) == 0
+    runs = json.loads(path.read_text())["runs"]
+    assert [r["offset_positions"] for r in runs] == [0.0, 3e6] and runs[1]["positions_per_step"] == 5e4
+    assert [e["step"] for e in runs[1]["log"]] == [10, 20]
+    assert "| b | 4.00M |" in path.with_name("learning_curve.md").read_text()
+    with pytest.raises(ValueError, match="already has a run named 'b'"):
+        main([str(path), "--append", *run_files("b", 20, 1e6, "a"), "--name", "b"])
+    with pytest.raises(SystemExit):
+        main([str(path), "--append", *run_files("c", 20, 1e6, "a")])  # no --name
