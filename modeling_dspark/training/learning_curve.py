@@ -86,9 +86,12 @@ def append_run(path: str | Path, name: str, trainer_state: str | Path, budget: s
     if budget_data.get("arguments", {}).get("init_from") and data["runs"]:
         last = data["runs"][-1]
         offset = last["offset_positions"] + last["log"][-1]["step"] * last["positions_per_step"]
+    # a resumed run counts its positions from the checkpoint it resumed (Trainer names them checkpoint-<step>)
+    resumed = budget_data.get("resumed_from")
+    steps_this_run = budget_data["steps"] - (int(Path(resumed).name.rsplit("-", 1)[1]) if resumed else 0)
     entry = {
         "name": name,
-        "positions_per_step": budget_data["predicted_positions_this_run"] / budget_data["steps"],
+        "positions_per_step": budget_data["predicted_positions_this_run"] / steps_this_run,
         "offset_positions": offset,
         "held_out_expected_tau": held_out,
         "log": log,

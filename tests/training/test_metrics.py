@@ -84,19 +84,20 @@ def test_learning_curve_appends_a_warm_started_run_after_the_last(tmp_path):
 
     from modeling_dspark.training.learning_curve import main
 
-    def run_files(name, steps, positions, init_from):
+    def run_files(name, steps, positions, init_from, resumed_from=None):
         log = [{"step": s, "loss": 2.0, "expected_tau": 1 + s / 100, "accept_rate@0": s / 200, "ce_loss": 3.0, "learning_rate": 1e-3}
                for s in range(10, steps + 1, 10)]  # fmt: skip
         log.append({"step": steps, "train_runtime": 1.0})  # the trainer's closing entry, not a logged step
         state, budget = tmp_path / f"{name}_state.json", tmp_path / f"{name}_budget.json"
         state.write_text(json.dumps({"log_history": log}))
         budget.write_text(json.dumps({"steps": steps, "predicted_positions_this_run": positions, "arguments": {"init_from": init_from},
-                                      "held_out_eval": {"eval_expected_tau": 1.5}}))  # fmt: skip
+                                      "held_out_eval": {"eval_expected_tau": 1.5}, "resumed_from": resumed_from}))  # fmt: skip
         return [str(state), str(budget)]
 
     path = tmp_path / "curve" / "learning_curve.json"
     assert main([str(path), "--append", *run_files("a", 30, 3e6, None), "--name", "a"]) == 0
-    assert main([str(path), "--append", *run_files("b", 20, 1e6, "a"), "--name", "b"]) == 0
+    # b resumed from its step-10 checkpoint: the positions it counted are those of its last 10 steps
+    assert main([str(path), "--append", *run_files("b", 20, 5e5, "a", "runs/b/checkpoint-10"), "--name", "b"]) == 0
     runs = json.loads(path.read_text())["runs"]
     assert [r["offset_positions"] for r in runs] == [0.0, 3e6] and runs[1]["positions_per_step"] == 5e4
     assert [e["step"] for e in runs[1]["log"]] == [10, 20]
