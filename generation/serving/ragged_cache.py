@@ -161,13 +161,16 @@ class RaggedCache:
         """Keep only these rows, in this order (requests that left are dropped)."""
         index = torch.as_tensor(rows, dtype=torch.long, device=self.valid.device)
         self.valid = self.valid.index_select(0, index)
-        self._set([(k.index_select(0, index.to(k.device)), v.index_select(0, index.to(v.device))) for k, v in self._tensors()])
+        self._set(self._row_tensors(index))
 
     def select_rows(self, rows) -> RaggedCache:
         """A new cache of these rows (copies)."""
         index = torch.as_tensor(list(rows), dtype=torch.long)
-        tensors = [(k.index_select(0, index.to(k.device)), v.index_select(0, index.to(v.device))) for k, v in self._tensors()]
-        return RaggedCache(_arena_cache(tensors), self.valid.index_select(0, index.to(self.valid.device)))
+        return RaggedCache(_arena_cache(self._row_tensors(index)), self.valid.index_select(0, index.to(self.valid.device)))
+
+    def _row_tensors(self, index: torch.Tensor):
+        """Each layer's (keys, values) of the rows in ``index``, copied."""
+        return [(k.index_select(0, index.to(k.device)), v.index_select(0, index.to(v.device))) for k, v in self._tensors()]
 
     def replace_rows(self, rows: list[int], other: RaggedCache) -> None:
         """Give rows ``rows`` (whose requests left) to ``other``'s rows, in order: their columns are overwritten
@@ -184,12 +187,10 @@ class RaggedCache:
         if theirs and not self._layers():
             raise ValueError("replace_rows needs a cache that already holds tensors")
         index = torch.as_tensor(rows, dtype=torch.long)
-        for layer, (k, v) in zip(self._layers(), theirs):
+        for layer in self._layers():
             layer.pad_to(width)
+        for layer, (k, v) in zip(self._layers(), theirs):  # none for a drafter that has not run on the newcomers
             layer.write_rows(index.to(layer.device), k, v)
-        if not theirs:  # nothing stored for the newcomers (a drafter that has not run on them): only widen
-            for layer in self._layers():
-                layer.pad_to(width)
         self.valid = F.pad(self.valid, (0, width - self.width))
         self.valid[index] = F.pad(other.valid.to(self.valid.device), (0, width - other.width))
 
