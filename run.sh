@@ -25,6 +25,8 @@ fi
 cmd="${1:-test}"; shift || true
 case "$cmd" in
     generate) exec .venv/bin/dspark generate "$@" ;;
-    test) exec .venv/bin/python -m pytest -q "$@" ;;
+    # one worker per core (DSPARK_TEST_WORKERS overrides; 0 runs in this process); worksteal evens out the
+    # minute-long chi-square tests
+    test) exec .venv/bin/python -m pytest -q -n "${DSPARK_TEST_WORKERS:-auto}" --dist worksteal "$@" ;;
     *) exec .venv/bin/dspark "$cmd" "$@" ;;
 esac

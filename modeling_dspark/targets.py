@@ -7,17 +7,19 @@ the result as safetensors so later loads take seconds instead of tens of seconds
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["KNOWN_TARGETS", "TargetSpec", "default_cache_dir", "dtype_label", "fast_dtype", "load_target", "locate_gguf", "resolve_dtype"]
+__all__ = ["KNOWN_TARGETS", "TargetSpec", "cpu_flags", "default_cache_dir", "dtype_label", "fast_dtype", "load_target", "locate_gguf", "resolve_dtype"]
 
 
 @dataclass(frozen=True)
@@ -57,10 +59,28 @@ def fast_dtype(device: str = "cpu") -> torch.dtype:
 
     CPUs without native bf16 (AVX2-only, for example) run bf16 matrix products through a scalar fallback,
     measured here at 0.4 GFLOP/s against 66 for fp32: a bf16 verification forward there is slower than
-    decoding token by token. A decode-shaped product (8 rows against a 512 x 1024 weight) is timed once per
-    process in both dtypes.
+    decoding token by token. An x86 CPU whose flags list AVX512-BF16 or AMX takes bf16 outright; elsewhere a
+    decode-shaped product (8 rows against a 512 x 1024 weight) is timed once per process in both dtypes.
     """
     return _probed_dtype(str(device))
+
+
+# x86 CPU flags of native bf16 matrix products (AVX512-BF16, AMX); read from /proc/cpuinfo where it exists
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags() -> list[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where it cannot be read: not Linux, for example)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    return next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+
+
+def _cpu_has_native_bf16() -> bool:
+    """True when the CPU flags list a native bf16 flag; False when they do not or cannot be read (then timed)."""
+    return any(flag in NATIVE_BF16_FLAGS for flag in cpu_flags())
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,6 +88,9 @@ def _probed_dtype(device: str) -> torch.dtype:
     # cached on the device name alone: `fast_dtype()` and `fast_dtype("cpu")` must not probe (and decide) twice
     if device.startswith("cuda"):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device == "cpu" and _cpu_has_native_bf16():
+        # the flag decides: a timing probe on a busy shared machine has picked fp32 on AMX CPUs
+        return torch.bfloat16
     seconds = {}
     for dtype in (torch.float32, torch.bfloat16):
         x, w = torch.randn(8, 512, dtype=dtype, device=device), torch.randn(512, 1024, dtype=dtype, device=device)
@@ -109,31 +132,55 @@ def load_target(name: str = "smollm2-135m-instruct", *, dtype: torch.dtype | str
     folder = Path(cache_dir or default_cache_dir()) / "targets" / name
     stamp = {"gguf": str(gguf), "size": gguf.stat().st_size}
     stamp_file = folder / "dspark_source.json"
-    if not (stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp):
-        # De-quantise once (fp32, exact) and cache; tmp folder + rename so an interrupted run leaves no half cache.
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        # A GGUF-loaded model counts as quantized and refuses save_pretrained: copy it into a plain one.
-        config = loaded.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(loaded.state_dict())
-        model.generation_config = loaded.generation_config
-        del loaded
-        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "dspark_source.json").write_text(json.dumps(stamp))
-        if folder.exists():
-            import shutil
-
-            shutil.rmtree(folder)
-        tmp.rename(folder)
-        del model
+    # Several processes (pytest-xdist workers, a data job beside a benchmark) may load the target at once:
+    # the lock makes one of them build the cache while the others wait for it.
+    with _cache_lock(folder.with_name(folder.name + ".lock")):
+        if not (stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp):
+            _dequantise_to(folder, gguf, stamp)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _cache_lock(path: Path):
+    """Exclusive inter-process lock on ``path`` (POSIX ``flock``; a no-op where ``fcntl`` does not exist)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # Windows: one process at a time is the user's business there
+        yield
+        return
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _dequantise_to(folder: Path, gguf: Path, stamp: dict) -> None:
+    """De-quantise ``gguf`` once (fp32, exact) into ``folder`` as safetensors; tmp folder + rename, so an
+    interrupted run leaves no half cache."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # A GGUF-loaded model counts as quantized and refuses save_pretrained: copy it into a plain one.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    del loaded
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "dspark_source.json").write_text(json.dumps(stamp))
+    if folder.exists():
+        shutil.rmtree(folder)
+    tmp.rename(folder)
 
 
 DTYPE_CHOICES = ("auto", "bf16", "fp32")

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -9,6 +10,14 @@ TESTS = ROOT / "tests"
 for path in (ROOT, TESTS):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
+
+# Under pytest-xdist (run.sh test runs one worker per core) each worker gets its share of the cores: torch's
+# default of one thread per core in every worker would oversubscribe them and slow every test down.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.fixture(scope="module")

@@ -93,8 +93,11 @@ def _load_cached(path: Path, use_cache: bool):
 
 
 def _store(path: Path, payload: dict) -> None:
+    # written aside and renamed: another process reading the table never sees half of it
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 @torch.no_grad()

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from modeling_dspark.targets import cpu_flags
+
 __all__ = ["RECIPES", "main"]
 
 # "default" is what `python -m modeling_dspark.training.train` trains with by default, "default+cache" the same with
@@ -42,8 +44,7 @@ def cpu_description() -> str:
         return platform.processor() or "unknown CPU"
     fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
     name = fields.get("Model name", "unknown CPU").strip()
-    flags = fields.get("Flags", "").split()
-    native = [f for f in flags if f in ("avx512_bf16", "amx_bf16", "amx_tile", "avx512f", "avx2")]
+    native = [f for f in cpu_flags() if f in ("avx512_bf16", "amx_bf16", "amx_tile", "avx512f", "avx2")]
     return f"{name}, {torch.get_num_threads()} threads, flags: {' '.join(native) or 'none of avx2/avx512/amx'}"
 
 

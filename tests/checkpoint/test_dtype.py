@@ -1,14 +1,25 @@
-"""dtype choice: "auto" takes bf16 only where this device multiplies bf16 matrices about as fast as fp32."""
+"""Embedded targets: "auto" dtype takes bf16 only where this device multiplies bf16 matrices about as fast as fp32;
+the de-quantised cache is built by one process at a time."""
 
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
-from modeling_dspark.targets import _probed_dtype, dtype_label, fast_dtype, resolve_dtype
+from modeling_dspark import targets
+from modeling_dspark.targets import (
+    _cache_lock,
+    _probed_dtype,
+    dtype_label,
+    fast_dtype,
+    resolve_dtype,
+)
 
 
 def _with_clock(monkeypatch, ticks):
+    monkeypatch.setattr(targets, "_cpu_has_native_bf16", lambda: False)  # the timing probe, whatever this CPU is
     clock = iter(ticks)
     monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
     return _probed_dtype.__wrapped__("cpu")  # past the per-process cache
@@ -19,6 +30,22 @@ def test_fast_dtype_falls_back_to_fp32_where_bf16_products_are_slow(monkeypatch)
     assert _with_clock(monkeypatch, [0.0, 1.0, 0.0, 100.0]) == torch.float32
     assert _with_clock(monkeypatch, [0.0, 1.0, 0.0, 0.5]) == torch.bfloat16  # AMX / AVX512-BF16: bf16 is faster
     assert _with_clock(monkeypatch, [0.0, 1.0, 0.0, 1.9]) == torch.bfloat16  # within 2x: bf16 halves the bytes read
+
+
+def test_native_bf16_flags_decide_without_timing(monkeypatch):
+    monkeypatch.setattr(targets, "_cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(time, "perf_counter", lambda: pytest.fail("timed although the CPU flags decide"))
+    assert _probed_dtype.__wrapped__("cpu") == torch.bfloat16
+
+
+def test_cpu_flags_read_from_cpuinfo(monkeypatch, tmp_path):
+    real_path = targets.Path
+    for flags, expected in (("fpu avx2 avx512f", False), ("fpu avx512f avx512_bf16", True), ("fpu amx_tile amx_bf16", True)):
+        (tmp_path / "cpuinfo").write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(targets, "Path", lambda p: real_path(tmp_path / "cpuinfo") if p == "/proc/cpuinfo" else real_path(p))
+        assert targets._cpu_has_native_bf16() is expected
+    monkeypatch.setattr(targets, "Path", lambda p: real_path(tmp_path / "missing"))
+    assert targets.cpu_flags() == [] and targets._cpu_has_native_bf16() is False
 
 
 def test_resolve_dtype_names_and_errors():
@@ -47,3 +74,13 @@ def test_generate_warns_when_drafter_and_target_dtypes_differ():
     drafter = tiny_drafter(target, dtype=torch.bfloat16)
     with pytest.warns(UserWarning, match="load the drafter with dtype=target.dtype"):
         target.generate(torch.tensor([[3, 4, 5]]), do_sample=False, max_new_tokens=3, assistant_model=drafter)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="flock is POSIX")
+def test_target_cache_lock_excludes_other_processes(tmp_path):
+    # two processes (pytest-xdist workers) loading the target at once: only one may build its cache
+    lock = tmp_path / "smollm2.lock"
+    probe = "import fcntl, sys\ntry:\n    fcntl.flock(open(sys.argv[1], 'w'), fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError:\n    sys.exit(3)"
+    with _cache_lock(lock):
+        assert subprocess.run([sys.executable, "-c", probe, str(lock)], check=False).returncode == 3
+    assert subprocess.run([sys.executable, "-c", probe, str(lock)], check=False).returncode == 0
