@@ -40,31 +40,48 @@ def top_p_filter(scaled: torch.Tensor, top_p: torch.Tensor, candidates: int = 25
     cumulative probability is at most ``1 - top_p`` (at least the most likely token stays); rows with ``top_p >= 1``
     untouched.
 
-    A token is dropped exactly when the tokens more likely than it already hold ``top_p`` of the mass, so the
-    ``candidates`` most likely tokens decide every row whose candidates reach ``top_p``; only the other rows sort
-    the whole vocabulary (sorting 49k logits per row was a fifth of a batched decoding step). Exact ties with the
-    least likely kept token are kept."""
-    shape = (-1,) + (1,) * (scaled.dim() - 1)
-    threshold = (1 - top_p).view(shape).to(torch.float32)
-    active = (top_p < 1.0).view(shape)
-    k = min(candidates, scaled.shape[-1])
-    values = scaled.topk(k, dim=-1).values  # descending
-    probs = (values.float() - scaled.float().logsumexp(-1, keepdim=True)).exp()
-    before = probs.cumsum(-1) - probs  # mass of the more likely candidates
-    keep = (1 - before) > threshold
-    keep[..., 0] = True
-    # decided: a candidate was dropped (so is every less likely token), the row keeps everything, or k is all of V
-    decided = ~keep[..., -1:] | ~active | (k == scaled.shape[-1])
-    cutoff = values.masked_fill(~keep, float("inf")).amin(-1, keepdim=True)  # the least likely kept logit
-    filtered = scaled.masked_fill((scaled < cutoff) & active, float("-inf"))
-    if bool(decided.all()):
-        return filtered
-    sorted_logits, order = scaled.sort(dim=-1, descending=False)
-    cumulative = sorted_logits.softmax(-1).cumsum(-1)
-    remove = cumulative <= threshold.to(cumulative.dtype)
-    remove[..., -1] = False  # keep at least the most likely token
-    remove = remove.scatter(-1, order, remove)
-    return torch.where(decided, filtered, scaled.masked_fill(remove & active, float("-inf")))
+    A token is dropped exactly when the tokens more likely than it already hold ``top_p`` of the mass. A row's
+    candidates are its tokens more likely than ``1 / candidates`` (so at most ``candidates`` of them) and every other
+    token is less likely than all of them: when the candidates hold ``top_p``, sorting them alone decides the row
+    and only they can stay. The other rows sort the whole vocabulary. A threshold finds the candidates with one
+    comparison per logit, where ``topk``, a ``logsumexp`` and a full-width ``masked_fill`` were a fifth of a
+    batched sampling step on a 49k vocabulary. Exact ties with the least likely kept token are kept."""
+    vocab = scaled.shape[-1]
+    flat = scaled.reshape(-1, vocab)
+    num_rows = flat.shape[0]
+    row_top_p = top_p.repeat_interleave(num_rows // top_p.shape[0])
+    threshold = (1 - row_top_p).to(torch.float32)
+    active = row_top_p < 1.0
+    probs = flat.softmax(-1, dtype=torch.float32)
+    rows, cols = ((probs > 1 / candidates) & active[:, None]).nonzero(as_tuple=True)  # row-major order
+    counts = torch.bincount(rows, minlength=num_rows)
+    slot = torch.arange(rows.numel(), device=flat.device) - (counts.cumsum(0) - counts)[rows]
+    width = max(int(counts.max()) if num_rows else 0, 1)
+    candidate_logits = flat.new_full((num_rows, width), float("-inf"))
+    candidate_logits[rows, slot] = flat[rows, cols]
+    candidate_logits, order = candidate_logits.sort(dim=-1, descending=True)
+    candidate_probs = probs.new_zeros(num_rows, width)
+    candidate_probs[rows, slot] = probs[rows, cols]
+    candidate_probs = candidate_probs.gather(-1, order)
+    cumulative = candidate_probs.cumsum(-1)
+    keep = (1 - (cumulative - candidate_probs)) > threshold[:, None]  # the more likely tokens hold less than top_p
+    keep[:, 0] = True
+    cutoff = candidate_logits.masked_fill(~keep, float("inf")).amin(-1)  # the least likely kept logit
+    decided = (1 - cumulative[:, -1]) <= threshold  # the first token past the candidates is dropped
+    out = flat.new_full(flat.shape, float("-inf"))
+    kept = decided[rows] & (flat[rows, cols] >= cutoff[rows])
+    out[rows[kept], cols[kept]] = flat[rows[kept], cols[kept]]
+    untouched = (~active).nonzero(as_tuple=True)[0]
+    out[untouched] = flat[untouched]
+    undecided = (active & ~decided).nonzero(as_tuple=True)[0]
+    if undecided.numel():
+        rest = flat[undecided]
+        sorted_logits, ascending_order = rest.sort(dim=-1, descending=False)
+        ascending = sorted_logits.softmax(-1).cumsum(-1)
+        remove = ascending <= threshold[undecided, None].to(ascending.dtype)
+        remove[:, -1] = False  # keep at least the most likely token
+        out[undecided] = rest.masked_fill(remove.scatter(-1, ascending_order, remove), float("-inf"))
+    return out.reshape(scaled.shape)
 
 
 def sample_tokens(processed: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
