@@ -89,7 +89,7 @@ def _probed_dtype(device: str) -> torch.dtype:
     if device.startswith("cuda"):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if device == "cpu" and _cpu_has_native_bf16():
-        # the flag decides: a timing probe on a busy shared machine has picked fp32 on AMX CPUs
+        # the flag is certain where a 60 ms timing probe on a busy shared machine is not
         return torch.bfloat16
     seconds = {}
     for dtype in (torch.float32, torch.bfloat16):

@@ -1,5 +1,5 @@
-"""Embedded targets: "auto" dtype takes bf16 only where this device multiplies bf16 matrices about as fast as fp32;
-the de-quantised cache is built by one process at a time."""
+"""Embedded targets: "auto" dtype takes bf16 where the CPU flags list native bf16, elsewhere only where this device
+multiplies bf16 matrices about as fast as fp32; the de-quantised cache is built by one process at a time."""
 
 import subprocess
 import sys
