@@ -123,6 +123,12 @@ class DraftVocabMixin:
             return target_ids
         return self._t2d().to(target_ids.device)[target_ids]
 
+    def to_target_ids(self, draft_index: torch.LongTensor) -> torch.LongTensor:
+        """Target id of each draft index (the inverse of :meth:`draft_index` inside the draft vocabulary)."""
+        if self.d2t is None:
+            return draft_index
+        return self.draft_token_ids.to(draft_index.device)[draft_index]
+
     def in_draft_vocab(self, target_ids: torch.LongTensor) -> torch.Tensor:
         if self.d2t is None:
             return torch.ones_like(target_ids, dtype=torch.bool)
@@ -155,4 +161,4 @@ class DraftVocabMixin:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
         index = self.draft_token_ids.to(logits.device).expand_as(logits)
-        return full.scatter(-1, index, logits)
+        return full.scatter_(-1, index, logits)  # in place: the out-of-place form copies the whole row first

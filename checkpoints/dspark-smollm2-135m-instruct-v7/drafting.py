@@ -54,15 +54,32 @@ def draft_token(
     ids: torch.LongTensor | None = None,  # [R, L] the sequence so far, for the processors
 ) -> tuple[torch.LongTensor, torch.Tensor]:
     """One draft token per row and the processed target-vocabulary logits it was drawn from: argmax for greedy
-    rows, an exact draw from ``softmax(q)`` otherwise. Returns (tokens [R] target ids, q [R, V] float32)."""
-    q = drafter.to_target_vocab(step_logits)
-    if logits_processor is not None:
-        q = logits_processor(ids, q)
+    rows, an exact draw from ``softmax(q)`` otherwise. Returns (tokens [R] target ids, q [R, V] float32).
+
+    Without processors ``q`` is ``-inf`` outside the draft vocabulary, so its argmax and its draws are those of
+    the draft-vocabulary logits, mapped to target ids: the pick reads 8k logits instead of the whole vocabulary."""
+    if not _processes(logits_processor):
+        return _pick_unprocessed(drafter, step_logits, greedy), drafter.to_target_vocab(step_logits)
+    q = logits_processor(ids, drafter.to_target_vocab(step_logits))
+    return _pick(q, greedy), q
+
+
+def _pick(logits: torch.Tensor, greedy: bool | torch.Tensor) -> torch.LongTensor:
+    """Argmax for greedy rows, an exact draw from ``softmax(logits)`` for the others (the column index)."""
     if isinstance(greedy, bool):
-        token = q.argmax(-1) if greedy else sample_categorical(q.softmax(-1))
-    else:  # mixed rows (the engine): every row draws, greedy rows take the argmax
-        token = torch.where(greedy, q.argmax(-1), sample_categorical(q.softmax(-1)))
-    return token, q
+        return logits.argmax(-1) if greedy else sample_categorical(logits.softmax(-1))
+    # mixed rows (the engine): every row draws, greedy rows take the argmax
+    return torch.where(greedy, logits.argmax(-1), sample_categorical(logits.softmax(-1)))
+
+
+def _pick_unprocessed(drafter, step_logits: torch.Tensor, greedy: bool | torch.Tensor) -> torch.LongTensor:
+    """The pick among the draft-vocabulary logits, as target ids (no processors: ``q`` is -inf elsewhere)."""
+    return drafter.to_target_ids(_pick(step_logits.float(), greedy))
+
+
+def _processes(logits_processor: LogitsProcessor | None) -> bool:
+    """Whether ``logits_processor`` can change a logit (``generate()`` passes an empty list when nothing is set)."""
+    return logits_processor is not None and not (isinstance(logits_processor, list) and len(logits_processor) == 0)
 
 
 def draft_block(
@@ -96,6 +113,7 @@ def draft_block(
     lengths = torch.zeros(num_rows, dtype=torch.long, device=anchor_ids.device)
     survival = torch.ones(num_rows, dtype=torch.float64, device=anchor_ids.device)  # prefix_survival, slot by slot
     ids = prefix_ids
+    processed = _processes(logits_processor)
     base = None
     tokens, logits, confidences = [], [], []
     for k in range(num_slots):
@@ -112,7 +130,10 @@ def draft_block(
         step = base[:, k]
         if markov is not None:
             step, state = markov.apply_step_logits(step, drafter.draft_index(prev), h[:, k], state)
-        token, q = draft_token(drafter, step, greedy, logits_processor, ids)
+        if processed:
+            token, q = draft_token(drafter, step, greedy, logits_processor, ids)
+        else:  # as draft_token, with the scatter to the target vocabulary left for the whole block at the end
+            token, q = _pick_unprocessed(drafter, step, greedy), step.float()
         tokens.append(token)
         logits.append(q)
         lengths = lengths + alive.long()
@@ -125,7 +146,7 @@ def draft_block(
                 break
     return DraftBlock(
         tokens=torch.stack(tokens, dim=1) if tokens else anchor_ids.new_empty(num_rows, 0),
-        logits=torch.stack(logits, dim=1) if tokens else None,
+        logits=(torch.stack(logits, dim=1) if processed else drafter.to_target_vocab(torch.stack(logits, dim=1))) if tokens else None,
         confidence_logits=torch.stack(confidences, dim=1) if confidences else None,
         lengths=lengths,
     )

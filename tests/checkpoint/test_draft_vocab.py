@@ -191,6 +191,23 @@ def test_draft_block_matches_the_previous_loops(do_sample):
     assert torch.equal(block.tokens, old_tokens) and torch.equal(block.logits, old_logits)
 
 
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_unprocessed_pick_reads_the_draft_vocabulary_as_q_would(do_sample):
+    """Without processors the pick reads the draft-vocabulary logits and q is scattered once per block; tokens and
+    q must be those of the path that processes the whole-vocabulary q (here with the identity)."""
+    target = tiny_target(initializer_range=0.2)
+    drafter = tiny_drafter(target, seed=1, draft_vocab_ids=EVEN)
+    h, anchors = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(2)), torch.tensor([1, 4, 95])
+    with torch.no_grad():
+        torch.manual_seed(0)
+        fast = draft_block(drafter, h, target.lm_head, anchors, num_slots=4, greedy=not do_sample)
+        torch.manual_seed(0)
+        full = draft_block(drafter, h, target.lm_head, anchors, num_slots=4, greedy=not do_sample, logits_processor=lambda _ids, q: q)
+    assert torch.equal(fast.tokens, full.tokens) and torch.equal(fast.logits, full.logits)
+    assert fast.logits.shape == (3, 4, 96) and bool((fast.tokens % 2 == 0).all()), "target ids, inside the draft vocabulary"
+    assert len(set(fast.tokens.flatten().tolist())) > 3, "the picks must vary for the comparison to mean something"
+
+
 @pytest.mark.parametrize("vocab", [None, EVEN])
 def test_batched_drafting_equals_per_row(vocab):
     target = tiny_target()
