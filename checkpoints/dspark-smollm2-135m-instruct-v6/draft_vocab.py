@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["DraftVocabMixin", "select_draft_vocab"]
+__all__ = ["DraftVocabMixin", "select_draft_vocab", "tensor_key"]
 
 
 def select_draft_vocab(
@@ -54,7 +54,8 @@ def select_draft_vocab(
     return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
-def _tensor_key(t: torch.Tensor) -> tuple:
+def tensor_key(t: torch.Tensor) -> tuple:
+    """Identifies a tensor's current contents for a cache: storage, in-place version, dtype, device."""
     return t.data_ptr(), t._version, t.dtype, t.device
 
 
@@ -105,7 +106,7 @@ class DraftVocabMixin:
         if self.d2t is None:
             return None
         d2t = self.d2t
-        return self._cached("ids", _tensor_key(d2t), lambda: torch.arange(d2t.numel(), device=d2t.device) + d2t)
+        return self._cached("ids", tensor_key(d2t), lambda: torch.arange(d2t.numel(), device=d2t.device) + d2t)
 
     def _t2d(self) -> torch.LongTensor:
         d2t = self.d2t
@@ -115,7 +116,7 @@ class DraftVocabMixin:
             t2d[self.draft_token_ids] = torch.arange(d2t.numel(), device=d2t.device)
             return t2d
 
-        return self._cached("t2d", _tensor_key(d2t), build)
+        return self._cached("t2d", tensor_key(d2t), build)
 
     def draft_index(self, target_ids: torch.LongTensor) -> torch.LongTensor:
         """Draft index of each target id; ``draft_vocab_size`` (the Markov head's shared row) for ids outside."""
@@ -141,7 +142,7 @@ class DraftVocabMixin:
         if self.d2t is None:
             return weight, bias
         ids = self.draft_token_ids.to(weight.device)
-        key = (_tensor_key(weight), _tensor_key(self.d2t), None if bias is None else _tensor_key(bias))
+        key = (tensor_key(weight), tensor_key(self.d2t), None if bias is None else tensor_key(bias))
         return self._cached(
             "lm_head", key, lambda: (weight.detach().index_select(0, ids), None if bias is None else bias.detach().index_select(0, ids))
         )
