@@ -84,6 +84,8 @@ def test_speed_benchmark_end_to_end_on_tiny_models(tmp_path):
     for m in ("dspark greedy", "eagle3 greedy", "hybrid greedy"):
         row = table[m]["math"]
         assert row["rounds"] > 0 and row["draft_ms_per_round"] > 0 and row["verify_ms_per_round"] > 0
+        plain_ms = 1000 / table["plain greedy"]["math"]["tokens_per_s"]
+        assert row["draft_share_of_plain_token"] == pytest.approx(row["draft_ms_per_round"] / plain_ms)
         assert [c[0] for c in result["raw"][m]["math"]] == [10, 10]  # every run generated the full budget
     write_speed_report(result, tmp_path / "out", "test")
     report = (tmp_path / "out" / "speed.md").read_text()
