@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .draft_vocab import tensor_key
+from .draft_vocab import cached, tensor_key
 
 __all__ = ["VanillaMarkovHead", "RNNMarkovHead", "build_markov_head"]
 
@@ -32,7 +32,7 @@ class VanillaMarkovHead(nn.Module):
         super().__init__()
         self.markov_w1 = nn.Embedding(num_inputs or vocab_size, markov_rank)
         self.markov_w2 = nn.Linear(markov_rank, vocab_size, bias=False)
-        self._bigram = (None, None)  # (weights' key, W1 W2): not a buffer, never saved
+        self._bigram_cache: dict[str, tuple] = {}  # W1 W2 under its weights' key: not a buffer, never saved
 
     def bigram_bias(self, prev_ids: torch.LongTensor) -> torch.Tensor:
         """``B(x_{k-1}, .)`` [..., V] for previous tokens [...] (draft indices): a row of the table at inference,
@@ -46,10 +46,8 @@ class VanillaMarkovHead(nn.Module):
         w1, w2 = self.markov_w1.weight, self.markov_w2.weight
         if self.training or torch.is_grad_enabled() or w1.shape[0] * w2.shape[0] * w2.element_size() > self.max_table_bytes:
             return None
-        key = (tensor_key(w1), tensor_key(w2))  # rebuilt when the weights change (loaded, moved, trained)
-        if self._bigram[0] != key:
-            self._bigram = (key, w1 @ w2.T)
-        return self._bigram[1]
+        # rebuilt when the weights change (loaded, moved, trained)
+        return cached(self._bigram_cache, "table", (tensor_key(w1), tensor_key(w2)), lambda: w1 @ w2.T)
 
     def get_prev_embeddings(self, prev_ids: torch.LongTensor) -> torch.Tensor:
         """``W1[x_{k-1}]``, also read by the confidence head (Eq. 7)."""

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["DraftVocabMixin", "select_draft_vocab", "tensor_key"]
+__all__ = ["DraftVocabMixin", "cached", "select_draft_vocab", "tensor_key"]
 
 
 def select_draft_vocab(
@@ -59,6 +59,16 @@ def tensor_key(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t._version, t.dtype, t.device
 
 
+def cached(store: dict, name: str, key: tuple, build):
+    """``build()``'s value for ``name``, kept in ``store`` while ``key`` (the :func:`tensor_key` of what it is built
+    from) stays the same."""
+    hit = store.get(name)
+    if hit is None or hit[0] != key:
+        hit = (key, build())
+        store[name] = hit
+    return hit[1]
+
+
 class DraftVocabMixin:
     """Maps between the target's vocabulary and a drafter's draft vocabulary (``config.draft_vocab_size``).
 
@@ -94,11 +104,7 @@ class DraftVocabMixin:
             self.d2t.copy_(ids - torch.arange(ids.numel()))
 
     def _cached(self, name: str, key: tuple, build):
-        hit = self._draft_vocab_cache.get(name)
-        if hit is None or hit[0] != key:
-            hit = (key, build())
-            self._draft_vocab_cache[name] = hit
-        return hit[1]
+        return cached(self._draft_vocab_cache, name, key, build)
 
     @property
     def draft_token_ids(self) -> torch.LongTensor | None:

@@ -151,15 +151,16 @@ def test_markov_table_at_inference_equals_the_factored_bias():
     m = tiny_drafter(tiny_target()).markov_head
     prev = torch.tensor([[3, 7], [0, 95]])
     factored = m.markov_w2(m.markov_w1(prev))
-    assert m.bigram_bias(prev).requires_grad and m._bigram[1] is None, "with gradients: the trainable product"
+    assert m.bigram_bias(prev).requires_grad and "table" not in m._bigram_cache, "with gradients: the trainable product"
     with torch.no_grad():
         torch.testing.assert_close(m.bigram_bias(prev), factored)
-        assert m._bigram[1] is not None and m._bigram[1].shape == (96, 96), "eval, no gradients: the table"
+        assert m._bigram_cache["table"][1].shape == (96, 96), "eval, no gradients: the table"
         m.markov_w2.weight.mul_(2)  # changed weights rebuild it
         torch.testing.assert_close(m.bigram_bias(prev), 2 * factored)
-        m.max_table_bytes, m._bigram = 96 * 96 * 4 - 1, (None, None)
+        m.max_table_bytes = 96 * 96 * 4 - 1
+        m._bigram_cache.clear()
         torch.testing.assert_close(m.bigram_bias(prev), 2 * factored)
-        assert m._bigram[1] is None, "a table over the limit is never built"
+        assert "table" not in m._bigram_cache, "a table over the limit is never built"
 
 
 def test_confidence_head_reads_h_and_previous_token():
