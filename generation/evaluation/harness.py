@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import torch
 from generation.decoding.stats import DSparkRound, acceptance_length
 from generation.evaluation.prompts import chat_input_ids, load_eval_prompts, verified_rounds
 from modeling_dspark.checkpoint.confidence_head import calibrated_confidence, prefix_survival
+from modeling_dspark.provenance import command_line
 
 __all__ = ["DOMAINS", "evaluate_drafters", "load_drafter", "load_drafter_specs", "round_statistics", "summarize", "threshold_sweep", "write_report"]
 
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Target {args.target} ({dtype_label(target.dtype)}), temperature 1, full blocks, first turn, {args.num_prompts} prompts per benchmark "
         f"(seeded subsample, seed 980406), {args.max_new_tokens} new tokens, prompt i under seed {args.seed} + i."
     )
-    command = "python -m generation.evaluation.harness " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("generation.evaluation.harness", argv)
     summary = write_report(results, args.out, command)
     for label, row in summary["tau"].items():
         print(f"{label:>8}: macro tau {row['macro']:.3f}")

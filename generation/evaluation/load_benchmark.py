@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import torch
 
 from generation.decoding.stats import acceptance_length
 from generation.evaluation.prompts import chat_input_ids, load_eval_prompts
+from modeling_dspark.provenance import command_line
 
 __all__ = ["METHODS", "engine_costs", "run_load", "write_load_report"]
 
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     results["cost_table"] = dict(zip(cost.tokens, cost.steps_per_second))
     results["verify_cost_seconds"] = verify_cost.to_dict()
     results["draft_cost_seconds"] = draft_cost.to_dict()
-    command = "python -m generation.evaluation.load_benchmark " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("generation.evaluation.load_benchmark", argv)
     write_load_report(results, args.out, cost, command)
     for label, rows in results["methods"].items():
         print(f"{label:>15}: " + "  ".join(f"R={r} {v['tokens_per_s']:.1f}" for r, v in rows.items()))

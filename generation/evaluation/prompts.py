@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from modeling_dspark.provenance import command_line
+
 __all__ = ["chat_input_ids", "load_eval_prompts", "measure_speed", "measure_tau", "verified_rounds"]
 
 EVAL_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "eval"
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     target, tokenizer = target_from_args(args)
     drafter = DSparkModel.from_pretrained(args.drafter, dtype=target.dtype).eval()
-    results = {"command": "python -m generation.evaluation.prompts " + " ".join(argv or __import__("sys").argv[1:]), "benchmarks": {}}
+    results = {"command": command_line("generation.evaluation.prompts", argv), "benchmarks": {}}
     for name in args.benchmarks:
         prompts = load_eval_prompts(name, args.num_prompts)
         tau = measure_tau(target, drafter, tokenizer, prompts, max_new_tokens=args.max_new_tokens)

@@ -21,13 +21,13 @@ import argparse
 import copy
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from generation.evaluation.prompts import chat_input_ids, load_eval_prompts
+from modeling_dspark.provenance import command_line
 
 __all__ = ["DEFAULT_DOMAINS", "speed_benchmark", "write_speed_report"]
 
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     drafters = load_drafter_specs(parser, args.drafter, dtype=target.dtype)
     result = speed_benchmark(target, tokenizer, drafters, num_prompts=args.num_prompts, runs=args.runs, max_new_tokens=args.max_new_tokens)
     result["dtype"] = dtype_label(target.dtype)
-    command = "python -m generation.evaluation.speed " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("generation.evaluation.speed", argv)
     write_speed_report(result, args.out, command)
     for m, per in result["methods"].items():
         print(f"{m:>16}: " + "  ".join(f"{d} {r['tokens_per_s']:.1f} tok/s ({r['ratio']:.2f}x)" for d, r in per.items()))

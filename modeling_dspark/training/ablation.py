@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
+
+from modeling_dspark.provenance import command_line
 
 __all__ = ["load_runs", "write_ablation_report"]
 
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results/ablation")
     args = parser.parse_args(argv)
     runs = load_runs(args.run)
-    command = "python -m modeling_dspark.training.ablation " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("modeling_dspark.training.ablation", argv)
     write_ablation_report(runs, args.out, command)
     for label, b in runs.items():
         print(f"{label:>12}: expected tau {b['held_out_eval']['eval_expected_tau']:.3f}")

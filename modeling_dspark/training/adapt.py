@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from modeling_dspark.provenance import command_line
+
 __all__ = ["DRAFTER_LORA_MODULES", "add_lora", "drafter_lora_config", "load_adapted_drafter"]
 
 # projections of the draft layers (DSpark / DFlash layers and the Eagle3 layer use the same names)
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         "base_drafter": args.drafter, "data": args.data, "train_sequences": len(dataset), "held_out_prompts": len(held_out),
         "steps": result.global_step, "batch_size": args.batch_size, "lora_rank": args.rank, "trainable_parameters": trainable,
         "wall_time_s": round(time.time() - start, 1), "final_train_loss": result.training_loss,
-        "command": "python -m modeling_dspark.training.adapt " + " ".join(argv or __import__("sys").argv[1:]),
+        "command": command_line("modeling_dspark.training.adapt", argv),
         "log_history": trainer.state.log_history[-3:],
     }  # fmt: skip
     (export / "training_budget.json").write_text(json.dumps(budget, indent=2) + "\n")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from modeling_dspark.provenance import command_line
 from modeling_dspark.targets import cpu_flags
 
 __all__ = ["RECIPES", "main"]
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_draft_layers": args.num_draft_layers,
         "timed_steps_per_recipe": args.steps,
         "data": str(args.data),
-        "command": "python -m modeling_dspark.training.bench_train " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+        "command": command_line("modeling_dspark.training.bench_train", argv),
         "recipes": results,
         "target_cache_build_s_per_sequence": round(cache_build_s, 3) if cache_build_s else None,
         "speedup": round(speedup, 2) if speedup else None,

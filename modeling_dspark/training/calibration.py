@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from modeling_dspark.checkpoint.confidence_head import calibrated_confidence, prefix_survival
+from modeling_dspark.provenance import command_line
 
 __all__ = [
     "CalibrationRounds",
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     ones = [1.0] * drafter.config.block_size
     temps = sequential_temperature_scaling(fit_rounds)
     result = {
-        "command": "python -m modeling_dspark.training.calibration " + " ".join(argv or __import__("sys").argv[1:]),
+        "command": command_line("modeling_dspark.training.calibration", argv),
         "temperatures": temps,
         "fit": {"prompts": half, "rounds": int(fit_rounds.accepted.numel())},
         "report": {"prompts": len(prompts) - half, "rounds": int(report_rounds.accepted.numel())},

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from modeling_dspark.checkpoint.draft_vocab import select_draft_vocab
+from modeling_dspark.provenance import command_line
 from modeling_dspark.targets import add_target_arguments
 from modeling_dspark.training.data import build_dataset, read_responses, split_holdout
 
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             "wall_time_s_this_run": round(wall, 1),
             "resumed_from": last,
             "final_train_loss": result.training_loss,
-            "command": "python -m modeling_dspark.training.train " + " ".join(argv or __import__("sys").argv[1:]),
+            "command": command_line("modeling_dspark.training.train", argv),
             "arguments": vars(args),
             "held_out_eval": held_out_metrics,
             "log_history": trainer.state.log_history[-5:],

@@ -1,6 +1,7 @@
 """DSpark training: loss terms against a slow reference, masking, the Trainer, STS calibration."""
 
 import math
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -284,3 +285,10 @@ def test_ablation_report_compares_held_out_runs(tmp_path):
         load_runs([f"c={tmp_path / 'c'}"])
     with pytest.raises(SystemExit, match="LABEL=FOLDER"):
         load_runs([str(tmp_path / "a")])
+    # the report records a command that a shell gives back unchanged, labels with spaces included
+    from modeling_dspark.training.ablation import main
+
+    argv = ["--run", f"rank 256 (paper)={tmp_path / 'b'}", "--out", str(tmp_path / "rerun")]
+    main(argv)
+    command = json.loads((tmp_path / "rerun" / "ablation.json").read_text())["command"]
+    assert shlex.split(command) == ["python", "-m", "modeling_dspark.training.ablation", *argv]
