@@ -21,6 +21,8 @@ import argparse
 import json
 from pathlib import Path
 
+from modeling_dspark.provenance import command_line
+
 __all__ = ["append_run", "plot_learning_curve"]
 
 LOGGED = ("expected_tau", "accept_rate@0", "ce_loss", "learning_rate")
@@ -41,7 +43,7 @@ def plot_learning_curve(path: str | Path) -> Path:
     if not data.get("runs"):
         raise ValueError(f"{path} has no runs")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    lines = ["# Learning curve\n", f"`python -m modeling_dspark.training.learning_curve {path}`\n", data.get("source", ""), "",
+    lines = ["# Learning curve\n", f"`{command_line('modeling_dspark.training.learning_curve', [str(path)])}`\n", data.get("source", ""), "",
              "| run | predicted positions at the end | training-batch expected tau (last 5 logs) | held-out expected tau |",
              "|---|---|---|---|"]  # fmt: skip
     for run in data["runs"]:
