@@ -250,13 +250,13 @@ def write_report(results: dict, out_dir: str | Path, command: str = "") -> dict:
         fig.savefig(out / f"figure5_threshold_sweep_{label}.png", dpi=120)
         plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(cols)), 3.8))
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(cols)) + 1.5, 3.8))  # + room for the legend beside the bars
     width = 0.8 / max(len(labels), 1)
     for i, label in enumerate(labels):
         ax.bar([j + i * width for j in range(len(cols))], [summary["tau"][label][c] for c in cols], width, label=label)
     ax.set_xticks([j + width * (len(labels) - 1) / 2 for j in range(len(cols))], cols, rotation=45, ha="right")
     ax.set_ylabel("tau (tokens / round)")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside the axes: no bar hidden
     fig.tight_layout()
     fig.savefig(out / "table1_tau.png", dpi=120)
     plt.close(fig)
