@@ -79,6 +79,30 @@ def test_learning_curve_plot_and_table(tmp_path):
         plot_learning_curve(path)
 
 
+def test_learning_curve_trend_through_the_held_out_points(tmp_path):
+    import json
+    import math
+
+    from modeling_dspark.training.learning_curve import held_out_trend, plot_learning_curve, positions_to_reach
+
+    def runs(taus):  # run i ends at 2^i million positions: held-out tau 1.0 + 0.1 i is 0.1 per doubling
+        return [{"name": f"r{i}", "positions_per_step": 2**i * 1e4, "offset_positions": 0, "held_out_expected_tau": tau,
+                 "log": [{"step": 100, "expected_tau": tau, "accept_rate@0": 0.3}]} for i, tau in enumerate(taus)]  # fmt: skip
+
+    a, b = held_out_trend(runs([1.0, 1.1, 1.2, 1.3]))
+    assert b * math.log(2) == pytest.approx(0.1)
+    assert positions_to_reach((a, b), 1.5) == pytest.approx(32e6)  # 2^5 million: two doublings past the last run
+    assert held_out_trend(runs([1.0, 1.1])) is None, "two points are not a trend"
+    assert positions_to_reach((1.0, -0.1), 2.0) is None, "a falling line never reaches a higher tau"
+    path = tmp_path / "learning_curve.json"
+    path.write_text(json.dumps({"runs": runs([1.0, 1.1, 1.2, 1.3])}))
+    table = plot_learning_curve(path, targets=(1.5,)).read_text()
+    assert "+0.100 per doubling" in table and "| 1.50 | 32M | 4.0x |" in table
+    assert "--targets 1.5" in table, "the report's command reproduces its targets"
+    path.write_text(json.dumps({"runs": runs([1.3, 1.2, 1.1])}))
+    assert "| 2.00 | never (the line falls) |" in plot_learning_curve(path).read_text()
+
+
 def test_learning_curve_appends_a_warm_started_run_after_the_last(tmp_path):
     import json
 
