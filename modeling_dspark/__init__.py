@@ -12,7 +12,7 @@ from .checkpoint.confidence_head import DSparkConfidenceHead, calibrated_confide
 from .checkpoint.config import DSparkConfig
 from .checkpoint.eagle3_config import Eagle3DrafterConfig
 from .checkpoint.eagle3_model import Eagle3DrafterModel
-from .checkpoint.markov_head import RNNMarkovHead, VanillaMarkovHead, build_markov_head
+from .checkpoint.markov_head import RNNMarkovHead, SequentialHead, VanillaMarkovHead, build_markov_head
 from .checkpoint.model import DSparkModel, DSparkModelOutput, DSparkPreTrainedModel, build_target_layer_ids
 from .targets import KNOWN_TARGETS, load_target, locate_gguf
 
@@ -49,6 +49,7 @@ __all__ = [
     "Eagle3DrafterModel",
     "KNOWN_TARGETS",
     "RNNMarkovHead",
+    "SequentialHead",
     "VanillaMarkovHead",
     "build_markov_head",
     "build_target_layer_ids",

@@ -15,12 +15,27 @@ from torch import nn
 
 from .draft_vocab import cached, tensor_key
 
-__all__ = ["VanillaMarkovHead", "RNNMarkovHead", "build_markov_head"]
+__all__ = ["SequentialHead", "VanillaMarkovHead", "RNNMarkovHead", "build_markov_head"]
 
 
-class VanillaMarkovHead(nn.Module):
-    """``B(x_{k-1}, .) = W1[x_{k-1}] W2`` with ``W1`` in R^{V_in x r} and ``W2`` in R^{r x V} (Eq. 5); ``V`` is the
-    draft vocabulary and ``V_in`` it or, with a reduced one, ``V + 1``.
+class SequentialHead(nn.Module):
+    """What both heads share: the previous token's embedding ``W1`` in R^{V_in x r}, also read by the confidence
+    head (Eq. 7), and the output map ``W2`` in R^{r x V} to a bias over the draft vocabulary ``V`` (``V_in`` is it
+    or, with a reduced one, ``V + 1``). Each head adds its bias to the backbone's logits through ``initial_state``,
+    ``apply_step_logits`` (one slot) and ``apply_block_logits`` (teacher forced)."""
+
+    def __init__(self, vocab_size: int, markov_rank: int, num_inputs: int | None = None):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(num_inputs or vocab_size, markov_rank)
+        self.markov_w2 = nn.Linear(markov_rank, vocab_size, bias=False)
+
+    def get_prev_embeddings(self, prev_ids: torch.LongTensor) -> torch.Tensor:
+        """``W1[x_{k-1}]``, also read by the confidence head (Eq. 7)."""
+        return self.markov_w1(prev_ids)
+
+
+class VanillaMarkovHead(SequentialHead):
+    """``B(x_{k-1}, .) = W1[x_{k-1}] W2`` (Eq. 5).
 
     Drafting reads one row of the bigram table ``W1 W2`` per slot. Where the table is at most ``max_table_bytes``
     (an 8k draft vocabulary in bf16: 134 MB) it is materialised once for inference and each slot reads its row,
@@ -29,9 +44,7 @@ class VanillaMarkovHead(nn.Module):
     max_table_bytes = 256 * 2**20
 
     def __init__(self, vocab_size: int, markov_rank: int, num_inputs: int | None = None):
-        super().__init__()
-        self.markov_w1 = nn.Embedding(num_inputs or vocab_size, markov_rank)
-        self.markov_w2 = nn.Linear(markov_rank, vocab_size, bias=False)
+        super().__init__(vocab_size, markov_rank, num_inputs)
         self._bigram_cache: dict[str, tuple] = {}  # W1 W2 under its weights' key: not a buffer, never saved
 
     def bigram_bias(self, prev_ids: torch.LongTensor) -> torch.Tensor:
@@ -48,10 +61,6 @@ class VanillaMarkovHead(nn.Module):
             return None
         # rebuilt when the weights change (loaded, moved, trained)
         return cached(self._bigram_cache, "table", (tensor_key(w1), tensor_key(w2)), lambda: w1 @ w2.T)
-
-    def get_prev_embeddings(self, prev_ids: torch.LongTensor) -> torch.Tensor:
-        """``W1[x_{k-1}]``, also read by the confidence head (Eq. 7)."""
-        return self.markov_w1(prev_ids)
 
     def initial_state(self, hidden_states: torch.Tensor) -> None:
         return None
@@ -76,7 +85,7 @@ class VanillaMarkovHead(nn.Module):
         return logits + self.markov_w2(prev).to(logits.dtype)
 
 
-class RNNMarkovHead(VanillaMarkovHead):
+class RNNMarkovHead(SequentialHead):
     """Gated recurrent bias (Eq. 6): ``z_k = [s_{k-1}; W1[x_{k-1}]; h_k]``, one linear map to gate/candidate/output,
     ``s_k = sig(g) * s_{k-1} + (1 - sig(g)) * tanh(c)``, ``B_k = W2 tanh(o)``, ``s_0 = 0``."""
 
@@ -112,7 +121,7 @@ class RNNMarkovHead(VanillaMarkovHead):
         return logits + torch.stack(biases, dim=-2).to(logits.dtype)
 
 
-def build_markov_head(config) -> VanillaMarkovHead | None:
+def build_markov_head(config) -> SequentialHead | None:
     """The head named by ``config.markov_head_type``; ``None`` gives the plain parallel (DFlash) drafter."""
     if config.markov_head_type is None:
         return None

@@ -157,9 +157,12 @@ class DraftVocabMixin:
         """The parallel backbone's logits ``U`` over the draft vocabulary [..., draft vocab] (gradients reach
         ``hidden_states``; the target's LM head stays frozen)."""
         weight, bias = self.draft_lm_head_weight(lm_head)
-        if self.d2t is None:
-            return lm_head(hidden_states.to(weight.dtype))
-        return torch.nn.functional.linear(hidden_states.to(weight.dtype), weight, bias)
+        # as one [rows, hidden] matrix: a strided [R, D, hidden] slice (the block after the context in the
+        # backbone's output) sends the matmul to a batched one that copies the weight once per row
+        x = hidden_states.to(weight.dtype)
+        flat = x.reshape(-1, x.shape[-1])
+        logits = lm_head(flat) if self.d2t is None else torch.nn.functional.linear(flat, weight, bias)
+        return logits.view(*x.shape[:-1], logits.shape[-1])
 
     def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., Vd] as target-vocabulary logits [..., V], ``-inf`` outside (float32)."""

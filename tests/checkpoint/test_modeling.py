@@ -161,6 +161,8 @@ def test_markov_table_at_inference_equals_the_factored_bias():
         m._bigram_cache.clear()
         torch.testing.assert_close(m.bigram_bias(prev), 2 * factored)
         assert "table" not in m._bigram_cache, "a table over the limit is never built"
+    rnn = tiny_drafter(tiny_target(), markov_head_type="rnn").markov_head
+    assert not hasattr(rnn, "bigram_bias"), "the RNN head's bias (Eq. 6) depends on its state: it has no bigram table"
 
 
 def test_confidence_head_reads_h_and_previous_token():
