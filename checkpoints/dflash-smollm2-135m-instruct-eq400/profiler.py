@@ -1,6 +1,6 @@
-"""Cost tables measured on the real models, cached on disk keyed by model, dtype, device, threads and context
-length (``~/.cache/dspark/sps``, ``DSPARK_CACHE`` moves it), so an engine start re-profiles only on a new machine
-or model. Every point is the median of ``repeats`` timed runs after one warm-up.
+"""Cost tables measured on the real models, cached on disk keyed by model, dtype, device, threads, context
+length and code (:func:`code_key`; ``~/.cache/dspark/sps``, ``DSPARK_CACHE`` moves it), so an engine start
+re-profiles only on a new machine, model or code. Every point is the median of ``repeats`` timed runs after one warm-up.
 
 - ``profile_sps(target)``: the paper's ``SPS(B)``, one forward of ``B`` new tokens on top of a cache of
   ``context_length`` tokens, for a grid of ``B`` (:class:`CostTable`).
@@ -30,6 +30,7 @@ from .scheduler import CostTable, DraftCost, PaddedCostTable
 __all__ = [
     "DEFAULT_GRID",
     "DEFAULT_ROWS",
+    "code_key",
     "cost_table_path",
     "model_key",
     "profile_draft_cost",
@@ -52,10 +53,32 @@ def model_key(model) -> str:
     return f"{name}|{cfg.model_type}|{weights}|{model.dtype}"
 
 
+def code_key(drafter=None) -> str:
+    """torch's and Transformers' versions and, with a drafter, a hash of the source of every module its timed call
+    runs (its classes and its submodules', the drafting loop): a table measured before a code change is measured
+    again rather than reused (a slower drafting path would otherwise keep the schedulers from drafting)."""
+    import inspect
+    import sys
+
+    import transformers
+
+    parts = [torch.__version__, transformers.__version__]
+    if drafter is not None:
+        names = {c.__module__ for sub in drafter.modules() for c in type(sub).__mro__} | {draft_block.__module__}
+        ours = sorted(n for n in names if n in sys.modules and n.split(".")[0] not in ("torch", "transformers", "builtins"))
+        for name in ours:
+            try:
+                source = inspect.getsource(sys.modules[name])
+            except (OSError, TypeError):  # no source file: the module's name is all there is to key on
+                source = name
+            parts.append(hashlib.sha1(source.encode()).hexdigest()[:12])
+    return "|".join(parts)
+
+
 def cost_table_path(target, context_length: int, kind: str = "sps", drafter=None) -> Path:
     cfg = target.config.get_text_config()
     device = str(target.device) if target.device.type != "cuda" else torch.cuda.get_device_name(target.device)
-    key = f"{model_key(target)}|{device}|{torch.get_num_threads()}|ctx{context_length}"
+    key = f"{model_key(target)}|{device}|{torch.get_num_threads()}|ctx{context_length}|{code_key(drafter)}"
     if drafter is not None:
         key += "|" + model_key(drafter)
     prefix = cfg.model_type if kind == "sps" else f"{cfg.model_type}-{kind}"

@@ -219,6 +219,26 @@ def test_engine_refuses_bad_settings():
     assert not engine.waiting
 
 
+def test_a_draft_cost_table_is_keyed_by_the_drafting_code(monkeypatch):
+    import inspect
+
+    import generation.decoding.drafting as drafting
+    from generation.scheduling.profiler import code_key, cost_table_path
+
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    before = cost_table_path(target, 32, kind="draft", drafter=drafter)
+    assert cost_table_path(target, 32, kind="draft", drafter=drafter) == before, "the same code: the same table"
+    source = inspect.getsource
+
+    def edited(obj):  # the drafting loop as if its source had changed
+        return source(obj) + "\n# edited" if obj is drafting else source(obj)
+
+    monkeypatch.setattr(inspect, "getsource", edited)
+    assert cost_table_path(target, 32, kind="draft", drafter=drafter) != before
+    assert code_key() == code_key(None) and len(code_key(drafter).split("|")) > 3, "versions, then the drafter's modules"
+
+
 def test_profiler_measures_caches_and_the_load_benchmark_runs(tmp_path, monkeypatch):
     import json as _json
 
