@@ -30,8 +30,13 @@ LOGGED = ("expected_tau", "accept_rate@0", "ce_loss", "learning_rate")
 DEFAULT_TARGETS = (2.0, 2.5)
 
 
+def _positions(run: dict, step: int) -> float:
+    """Predicted positions seen by the end of ``step`` of ``run`` (the runs before it included)."""
+    return run["offset_positions"] + step * run["positions_per_step"]
+
+
 def _end_positions(run: dict) -> float:
-    return run["offset_positions"] + run["log"][-1]["step"] * run["positions_per_step"]
+    return _positions(run, run["log"][-1]["step"])
 
 
 def held_out_trend(runs: list[dict]) -> tuple[float, float] | None:
@@ -84,7 +89,7 @@ def plot_learning_curve(path: str | Path, targets: tuple[float, ...] = DEFAULT_T
         log = run["log"]
         if not log:
             raise ValueError(f"run {run['name']!r} has an empty log")
-        x = [(run["offset_positions"] + entry["step"] * run["positions_per_step"]) / 1e6 for entry in log]
+        x = [_positions(run, entry["step"]) / 1e6 for entry in log]
         for ax, key in zip(axes, ("expected_tau", "accept_rate@0")):
             ax.plot(x, _smooth([entry[key] for entry in log]), label=run["name"])
         axes[0].scatter([x[-1]], [run["held_out_expected_tau"]], marker="*", s=120, zorder=3)
@@ -102,8 +107,8 @@ def plot_learning_curve(path: str | Path, targets: tuple[float, ...] = DEFAULT_T
         reach = {tau: positions_to_reach(trend, tau) for tau in targets}
         for tau, positions in reach.items():
             lines.append(f"| {tau:.2f} | " + ("never (the line falls)" if positions is None else f"{positions / 1e6:,.0f}M | {positions / last:.1f}x") + " |")
-        xs = [min(_end_positions(r) for r in data["runs"]), max([last] + [p for p in reach.values() if p is not None])]
-        xs = [math.exp(math.log(xs[0]) + i / 50 * (math.log(xs[1]) - math.log(xs[0]))) for i in range(51)]
+        lo, hi = min(_end_positions(r) for r in data["runs"]), max([last] + [p for p in reach.values() if p is not None])
+        xs = [lo * (hi / lo) ** (i / 50) for i in range(51)]  # evenly spaced in log positions
         axes[0].plot([x / 1e6 for x in xs], [a + b * math.log(x) for x in xs], "k--", lw=1, label="held-out trend (log fit)")
         for ax in axes:
             ax.set_xscale("log")
