@@ -1,6 +1,6 @@
 """The paper's evaluation at our scale (SPEC section 8): one decoding loop for every drafter, nine benchmarks.
 
-Protocol: temperature 1 (no top-k / top-p), chain drafting, full blocks (no truncation, no scheduler), first
+Protocol: temperature 1 (no top-k / top-p; ``--temperature 0`` for greedy tau), chain drafting, full blocks (no truncation, no scheduler), first
 turn only, the target's chat template; tau = mean tokens per verification round, bonus included, pooled over
 rounds. Each benchmark is a seeded subsample (``random.Random(980406).shuffle``, first n, as DeepSpec's
 eval.py); prompt i runs under seed ``seed + i``, identically for every drafter.
@@ -107,10 +107,10 @@ def threshold_sweep(rounds: list[DSparkRound], temperatures, thresholds=THRESHOL
 # ------------------------------------------------------------------------------------------ the run
 def evaluate_drafters(
     target, tokenizer, drafters: dict, *, benchmarks: list[str], num_prompts: int, max_new_tokens: int, seed: int = 0,
-    eval_dir=None, progress: bool = True,
+    temperature: float = 1.0, eval_dir=None, progress: bool = True,
 ) -> dict:  # fmt: skip
     """Rounds of every drafter on every benchmark, same prompts and seeds for all."""
-    results = {"drafters": {}, "benchmarks": {}}
+    results = {"temperature": temperature, "drafters": {}, "benchmarks": {}}
     kwargs = {} if eval_dir is None else {"eval_dir": eval_dir}
     prompts = {name: load_eval_prompts(name, num_prompts, **kwargs) for name in benchmarks}
     for name, rows in prompts.items():
@@ -124,7 +124,7 @@ def evaluate_drafters(
         }  # fmt: skip
         for name, rows in prompts.items():
             ids = [chat_input_ids(tokenizer, row["prompt"])[0].tolist() for row in rows]
-            rounds = list(verified_rounds(target, drafter, ids, max_new_tokens=max_new_tokens, seed=seed, progress=progress))
+            rounds = list(verified_rounds(target, drafter, ids, max_new_tokens=max_new_tokens, seed=seed, temperature=temperature, progress=progress))
             results["drafters"][label]["rounds"][name] = [_compact(r) for r in rounds]
             if progress:
                 print(f"{label:>8} {name:>14}: tau {acceptance_length(r.accepted for r in rounds):.2f} over {len(rounds)} rounds", flush=True)
@@ -185,7 +185,8 @@ def write_report(results: dict, out_dir: str | Path, command: str = "") -> dict:
     summary = summarize(results)
     benchmarks, labels = list(results["benchmarks"]), list(results["drafters"])
     cols = benchmarks + [f"{d} macro" for d in summary["domains"]] + ["macro"]
-    lines = [f"# DSpark evaluation at our scale\n\n`{command}`\n", results.get("protocol", ""), "\n## Table 1 analogue: tau (T = 1, block 7, chain drafting)\n"]
+    temperature = results.get("temperature", 1.0)
+    lines = [f"# DSpark evaluation at our scale\n\n`{command}`\n", results.get("protocol", ""), f"\n## Table 1 analogue: tau (T = {temperature:g}, full blocks, chain drafting)\n"]
     lines.append("| drafter | " + " | ".join(cols) + " |")
     lines.append("|---" * (len(cols) + 1) + "|")
     for label in labels:
@@ -276,16 +277,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=10, help="seeded subsample per benchmark")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=1.0, help="1: the paper's protocol; 0: greedy verification")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
+    if not args.temperature >= 0:
+        parser.error(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     target, tokenizer = target_from_args(args)
     drafters = load_drafter_specs(parser, args.drafter, dtype=target.dtype)
     results = evaluate_drafters(
         target, tokenizer, drafters, benchmarks=args.benchmarks, num_prompts=args.num_prompts,
-        max_new_tokens=args.max_new_tokens, seed=args.seed,
+        max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature,
     )  # fmt: skip
+    regime = "greedy (temperature 0)" if args.temperature == 0 else f"temperature {args.temperature:g}"
     results["protocol"] = (
-        f"Target {args.target} ({dtype_label(target.dtype)}), temperature 1, full blocks, first turn, {args.num_prompts} prompts per benchmark "
+        f"Target {args.target} ({dtype_label(target.dtype)}), {regime}, full blocks, first turn, {args.num_prompts} prompts per benchmark "
         f"(seeded subsample, seed 980406), {args.max_new_tokens} new tokens, prompt i under seed {args.seed} + i."
     )
     command = command_line("generation.evaluation.harness", argv)

@@ -38,14 +38,21 @@ def chat_input_ids(tokenizer, prompt: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def verified_rounds(target, drafter, prompt_ids: list[list[int]], *, max_new_tokens: int, seed: int = 0, progress: bool = False):
+def verified_rounds(
+    target, drafter, prompt_ids: list[list[int]], *, max_new_tokens: int, seed: int = 0, temperature: float = 1.0,
+    progress: bool = False,
+):  # fmt: skip
     """Every round of drafting and verifying on ``prompt_ids`` with the paper's protocol (temperature 1, no
-    top-k/top-p, full blocks); prompt i runs under seed ``seed + i``. Shared by tau measurement and calibration."""
+    top-k/top-p, full blocks); prompt i runs under seed ``seed + i``. ``temperature=0`` verifies greedily (the
+    target's argmax, the acceptance rule of greedy decoding). Shared by tau measurement and calibration."""
     from tqdm.auto import tqdm
     from transformers import GenerationConfig
 
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    sampling = dict(do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
     config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+        max_new_tokens=max_new_tokens, **sampling,
         pad_token_id=target.generation_config.pad_token_id, eos_token_id=target.generation_config.eos_token_id,
         dspark_truncation="fixed",
     )  # fmt: skip

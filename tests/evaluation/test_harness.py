@@ -91,3 +91,28 @@ def test_speed_benchmark_end_to_end_on_tiny_models(tmp_path):
     report = (tmp_path / "out" / "speed.md").read_text()
     assert "| dspark greedy |" in report and "| hybrid greedy | math |" in report
     assert (tmp_path / "out" / "speed.png").stat().st_size > 0
+
+
+def test_harness_greedy_mode_verifies_greedily(tmp_path):
+    eval_dir = tmp_path / "eval"
+    eval_dir.mkdir()
+    (eval_dir / "gsm8k.jsonl").write_text("".join(json.dumps({"id": i, "prompt": f"question {i}", "domain": "math"}) + "\n" for i in range(2)))
+    target = tiny_target()
+    target.generation_config.eos_token_id = None
+    drafters = {"dspark": tiny_drafter(target)}
+    common = dict(benchmarks=["gsm8k"], num_prompts=2, max_new_tokens=16, eval_dir=eval_dir, progress=False)
+    tok = ByteChat(target.config.vocab_size)
+
+    def rounds(**kwargs):
+        stored = evaluate_drafters(target, tok, drafters, **common, **kwargs)["drafters"]["dspark"]["rounds"]["gsm8k"]
+        return [{k: v for k, v in r.items() if k != "draft_seconds"} for r in stored]  # wall time is no outcome
+
+    greedy = rounds(temperature=0.0, seed=0)
+    assert greedy == rounds(temperature=0.0, seed=7)  # no draw anywhere: the seed cannot matter
+    assert rounds(temperature=1.0, seed=0) != rounds(temperature=1.0, seed=7)  # sampling really draws
+    assert len(greedy) > 2 and sum(r["drafted"] for r in greedy) > 0
+    results = evaluate_drafters(target, tok, drafters, **common, temperature=0.0)
+    write_report(results, tmp_path / "out", "test")
+    assert "tau (T = 0," in (tmp_path / "out" / "eval.md").read_text()
+    with pytest.raises(ValueError, match="temperature"):
+        rounds(temperature=-1.0)
