@@ -1,6 +1,8 @@
 """Cost tables measured on the real models, cached on disk keyed by model, dtype, device, threads, context
 length and code (:func:`code_key`; ``~/.cache/dspark/sps``, ``DSPARK_CACHE`` moves it), so an engine start
-re-profiles only on a new machine, model or code. Every point is the median of ``repeats`` timed runs after one warm-up.
+re-profiles only on a new machine, model or code (this module's included). Every point is the median of ``repeats``
+timed runs after one warm-up, and the points of a table are timed in turns (every point once, then again), so a burst
+of load on a shared machine slows all of them alike instead of one.
 
 - ``profile_sps(target)``: the paper's ``SPS(B)``, one forward of ``B`` new tokens on top of a cache of
   ``context_length`` tokens, for a grid of ``B`` (:class:`CostTable`).
@@ -78,33 +80,66 @@ def code_key(drafter=None) -> str:
 def cost_table_path(target, context_length: int, kind: str = "sps", drafter=None) -> Path:
     cfg = target.config.get_text_config()
     device = str(target.device) if target.device.type != "cuda" else torch.cuda.get_device_name(target.device)
-    key = f"{model_key(target)}|{device}|{torch.get_num_threads()}|ctx{context_length}|{code_key(drafter)}"
+    # this module's own source too: a table measured or smoothed by other code is measured again
+    profiler = hashlib.sha1(Path(__file__).read_bytes()).hexdigest()[:12]
+    key = f"{model_key(target)}|{device}|{torch.get_num_threads()}|ctx{context_length}|{code_key(drafter)}|{profiler}"
     if drafter is not None:
         key += "|" + model_key(drafter)
     prefix = cfg.model_type if kind == "sps" else f"{cfg.model_type}-{kind}"
     return _cache_dir() / f"{prefix}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
 
 
-def _median_seconds(fn, repeats: int, device, after=None) -> float:
-    times = []
+def _interleaved_medians(calls: dict, repeats: int, device, desc: str, progress: bool) -> dict:
+    """Median seconds of each ``calls[key] = (fn, after)`` over ``repeats`` timed calls, taken in turns: one warm-up
+    pass over every key (the first call of a shape pays for its allocations), then ``repeats`` passes in the same
+    order, so a burst of load no longer than a pass slows each key at most once. ``after`` (or None) runs untimed
+    after each call (a cache crop)."""
+    from tqdm.auto import tqdm
+
+    times: dict = {key: [] for key in calls}
+    order = list(calls)
+    bar = tqdm(total=len(order) * (repeats + 1), desc=desc, disable=not progress)
     for i in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i:  # the first call warms up this shape
-            times.append(time.perf_counter() - start)
-        if after is not None:
-            after()
-    return statistics.median(times)
+        for key in order:
+            fn, after = calls[key]
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i:
+                times[key].append(time.perf_counter() - start)
+            if after is not None:
+                after()
+            bar.update()
+    bar.close()
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
+def _isotonic(values: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit (pool adjacent violators): a point measured too slow is averaged with
+    the points after it that it exceeds, rather than lifting every later point to its value as a running maximum
+    would."""
+    blocks: list[list[float]] = []  # [mean, weight]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, w2), (m1, w1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2])
+    return [m for m, w in blocks for _ in range(int(w))]
 
 
 def _monotone(grid: list[list[float]]) -> list[list[float]]:
-    """Running maximum along both axes (more rows, more tokens, more slots are never cheaper): timing noise
-    would otherwise make a wider forward look free and the schedulers admit on noise."""
+    """Non-decreasing along both axes (more rows, more tokens, more slots are never cheaper), else timing noise
+    would make a wider forward look free and the schedulers admit on noise: isotonic fits along each line and each
+    column in turn, then a running maximum for what small violations the alternation leaves."""
     out = [list(line) for line in grid]
+    for _ in range(3):
+        out = [_isotonic(line) for line in out]
+        if len(out) > 1:
+            columns = [_isotonic([line[j] for line in out]) for j in range(len(out[0]))]
+            out = [[columns[j][i] for j in range(len(columns))] for i in range(len(out))]
     for i, line in enumerate(out):
         for j in range(len(line)):
             line[j] = max(line[j], line[j - 1] if j else 0.0, out[i - 1][j] if i else 0.0)
@@ -130,8 +165,6 @@ def profile_verify_cost(
 ) -> PaddedCostTable:  # fmt: skip
     """Seconds of the engine's verify forward: ``R`` rows (their own caches of ``context_length`` tokens) x width
     ``W`` new tokens, with a 2-D attention mask and the hidden states returned, as ``DSparkEngine.step`` runs it."""
-    from tqdm.auto import tqdm
-
     path = cost_table_path(target, context_length, kind="verify")
     widths = list(range(1, max_width + 1))
     stored = _load_cached(path, use_cache)
@@ -143,24 +176,21 @@ def profile_verify_cost(
     device = target.device
     vocab = target.config.get_text_config().vocab_size
     g = torch.Generator().manual_seed(0)
-    table = {}
-    bar = tqdm(total=len(rows) * len(widths), desc="profiling the verify forward", disable=not progress)
+    calls = {}
     for r in rows:
         cache = DynamicCache()
         target(input_ids=torch.randint(1, vocab, (r, context_length), generator=g).to(device), cache=cache, use_cache=True)
-        table[r] = {}
         for w in widths:
             ids = torch.randint(1, vocab, (r, w), generator=g).to(device)
             positions = torch.arange(context_length, context_length + w, device=device)[None].expand(r, -1)
             mask = torch.ones(r, context_length + w, dtype=torch.long, device=device)
 
-            def forward():
+            def forward(ids=ids, mask=mask, positions=positions, cache=cache):
                 target(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, output_hidden_states=True)
 
-            table[r][w] = _median_seconds(forward, repeats, device, after=lambda: cache.crop(-w))
-            bar.update()
-    bar.close()
-    smooth = _monotone([[table[r][w] for w in widths] for r in rows])
+            calls[r, w] = (forward, lambda cache=cache, w=w: cache.crop(-w))
+    table = _interleaved_medians(calls, repeats, device, "profiling the verify forward", progress)
+    smooth = _monotone([[table[r, w] for w in widths] for r in rows])
     table = {r: dict(zip(widths, line)) for r, line in zip(rows, smooth)}
     _store(path, {"model": getattr(target, "name_or_path", ""), "dtype": str(target.dtype), "device": str(device),
                   "context_length": context_length, "seconds": table})  # fmt: skip
@@ -175,8 +205,6 @@ def profile_draft_cost(
     """Seconds of one drafting call as the engine and ``generate()`` make it: the drafter's backbone over 2 new
     context tokens per row and the block, then :func:`draft_block` sampling D slots, for ``R`` rows with
     ``context_length`` tokens already in the draft cache."""
-    from tqdm.auto import tqdm
-
     path = cost_table_path(target, context_length, kind="draft", drafter=drafter)
     depth = drafter.config.block_size
     stored = _load_cached(path, use_cache)
@@ -191,29 +219,27 @@ def profile_draft_cost(
     embeddings, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     g = torch.Generator().manual_seed(0)
     new_context = 2  # committed tokens per row after an average round
-    table = {}
-    bar = tqdm(total=len(rows) * depth, desc="profiling the drafter", disable=not progress)
+    calls = {}
     for r in rows:
         cache = DynamicCache()
         anchors = torch.randint(1, vocab, (r,), generator=g).to(device)
         block = drafter.embed_block(anchors, embeddings)
 
-        def backbone(num_context: int, start: int):
+        def backbone(num_context: int, start: int, r=r, block=block, cache=cache):
             features = torch.randn(r, num_context, width, generator=g).to(device, drafter.dtype)
             positions = torch.arange(start, start + num_context + drafter.config.block_size, device=device)[None].expand(r, -1)
             return drafter(block_embeds=block, context_features=features, position_ids=positions, cache=cache)
 
         backbone(context_length, 0)  # the prompts into the draft cache
-        table[r] = []
         for d in range(1, depth + 1):
 
-            def draft_call():
+            def draft_call(d=d, anchors=anchors, backbone=backbone):
                 out = backbone(new_context, context_length)
                 draft_block(drafter, out.last_hidden_state, lm_head, anchors, num_slots=d, greedy=False)
 
-            table[r].append(_median_seconds(draft_call, repeats, device, after=lambda: cache.crop(-new_context)))
-            bar.update()
-    bar.close()
+            calls[r, d] = (draft_call, lambda cache=cache: cache.crop(-new_context))
+    seconds = _interleaved_medians(calls, repeats, device, "profiling the drafter", progress)
+    table = {r: [seconds[r, d] for d in range(1, depth + 1)] for r in rows}
     table = dict(zip(rows, _monotone([table[r] for r in rows])))
     _store(path, {"target": getattr(target, "name_or_path", ""), "drafter": getattr(drafter, "name_or_path", ""),
                   "dtype": str(drafter.dtype), "device": str(device), "context_length": context_length,
@@ -227,8 +253,6 @@ def profile_sps(
     use_cache: bool = True, progress: bool = True,
 ) -> CostTable:  # fmt: skip
     """Measure (or load) the cost table of ``target`` on its device and dtype."""
-    from tqdm.auto import tqdm
-
     path = cost_table_path(target, context_length)
     points = [b for b in grid if b <= max_tokens] or [1]
     stored = _load_cached(path, use_cache)
@@ -241,15 +265,16 @@ def profile_sps(
     context = torch.randint(1, vocab, (1, context_length), generator=g).to(device)
     cache = DynamicCache()
     target(input_ids=context, cache=cache, use_cache=True)
-    table = {}
-    for b in tqdm(points, desc="profiling SPS(B)", disable=not progress):
+    calls = {}
+    for b in points:
         ids = torch.randint(1, vocab, (1, b), generator=g).to(device)
         positions = torch.arange(context_length, context_length + b, device=device)[None]
 
-        def forward():
+        def forward(ids=ids, positions=positions):
             target(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
 
-        table[b] = 1.0 / _median_seconds(forward, repeats, device, after=lambda: cache.crop(-b))  # back to the context
+        calls[b] = (forward, lambda b=b: cache.crop(-b))  # back to the context
+    table = {b: 1.0 / s for b, s in _interleaved_medians(calls, repeats, device, "profiling SPS(B)", progress).items()}
     _store(path, {"model": getattr(target, "name_or_path", ""), "dtype": str(target.dtype), "device": str(device),
                   "context_length": context_length, "steps_per_second": table})  # fmt: skip
     return CostTable.from_dict(table)

@@ -187,3 +187,46 @@ def test_appendix_a_asynchronous_variant_is_exact(stale):
     capacity = async_capacity(stale, COST)  # from old confidences only
     out = first_token_distribution(lambda s: schedule_top_k(s, capacity)[0])
     assert out["A"] == pytest.approx(0.7) and out["B"] == pytest.approx(0.3)
+
+
+def test_cost_tables_are_smoothed_by_an_isotonic_fit_not_a_running_maximum():
+    from generation.scheduling.profiler import _isotonic, _monotone
+
+    # one width measured during a burst of load: it must not become the cost of every wider forward
+    line = [41.0, 42.0, 43.0, 66.0, 45.0, 46.0, 47.0, 48.0]
+    smooth = _isotonic(line)
+    assert all(a <= b for a, b in zip(smooth, smooth[1:]))
+    assert smooth[:3] == line[:3] and max(smooth) < 52.0 and smooth[-1] >= 48.0
+    assert _isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0] and _isotonic([3.0, 1.0]) == [2.0, 2.0]
+    grid = _monotone([[10.0, 30.0, 12.0, 13.0], [20.0, 21.0, 22.0, 23.0], [15.0, 40.0, 41.0, 42.0]])
+    for i, row in enumerate(grid):  # non-decreasing along both axes
+        assert all(a <= b for a, b in zip(row, row[1:]))
+        assert i == 0 or all(a <= b for a, b in zip(grid[i - 1], row))
+    assert grid[0][3] < 30.0 and grid[2][3] >= 42.0
+
+
+def test_profiler_times_the_points_of_a_table_in_turns(monkeypatch):
+    """A burst of load as long as one point's repeats slows that point alone when points are timed one after the
+    other (calls 4-6 would be b's warm-up and two of its three repeats); timed in turns, every point gets at most
+    one slow repeat and the medians stay level."""
+    import torch
+
+    import generation.scheduling.profiler as profiler
+
+    clock = {"now": 0.0, "calls": 0}
+    burst = range(4, 7)  # calls 4-6 run 10x slower
+
+    def call(key, order):
+        def fn():
+            order.append(key)
+            clock["now"] += 10.0 if clock["calls"] in burst else 1.0
+            clock["calls"] += 1
+
+        return fn
+
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: clock["now"])
+    order: list = []
+    calls = {key: (call(key, order), None) for key in ("a", "b", "c")}
+    medians = profiler._interleaved_medians(calls, 3, torch.device("cpu"), "test", progress=False)
+    assert order == ["a", "b", "c"] * 4, "a warm-up pass, then the timed passes in turns"
+    assert medians == {"a": 1.0, "b": 1.0, "c": 1.0}
