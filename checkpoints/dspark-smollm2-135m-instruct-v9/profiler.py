@@ -239,8 +239,7 @@ def profile_draft_cost(
 
             calls[r, d] = (draft_call, lambda cache=cache: cache.crop(-new_context))
     seconds = _interleaved_medians(calls, repeats, device, "profiling the drafter", progress)
-    table = {r: [seconds[r, d] for d in range(1, depth + 1)] for r in rows}
-    table = dict(zip(rows, _monotone([table[r] for r in rows])))
+    table = dict(zip(rows, _monotone([[seconds[r, d] for d in range(1, depth + 1)] for r in rows])))
     _store(path, {"target": getattr(target, "name_or_path", ""), "drafter": getattr(drafter, "name_or_path", ""),
                   "dtype": str(drafter.dtype), "device": str(device), "context_length": context_length,
                   "seconds": table})  # fmt: skip
