@@ -48,6 +48,9 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark")) / "sps"
 
 
+_PROFILER_SOURCE = hashlib.sha1(Path(__file__).read_bytes()).hexdigest()[:12]
+
+
 def model_key(model) -> str:
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     name = getattr(model, "name_or_path", "") or cfg.model_type
@@ -56,15 +59,16 @@ def model_key(model) -> str:
 
 
 def code_key(drafter=None) -> str:
-    """torch's and Transformers' versions and, with a drafter, a hash of the source of every module its timed call
-    runs (its classes and its submodules', the drafting loop): a table measured before a code change is measured
-    again rather than reused (a slower drafting path would otherwise keep the schedulers from drafting)."""
+    """torch's and Transformers' versions, a hash of this module's source and, with a drafter, of the source of every
+    module its timed call runs (its classes and its submodules', the drafting loop): a table measured before a code
+    change is measured again rather than reused (a slower drafting path would otherwise keep the schedulers from
+    drafting)."""
     import inspect
     import sys
 
     import transformers
 
-    parts = [torch.__version__, transformers.__version__]
+    parts = [torch.__version__, transformers.__version__, _PROFILER_SOURCE]
     if drafter is not None:
         names = {c.__module__ for sub in drafter.modules() for c in type(sub).__mro__} | {draft_block.__module__}
         ours = sorted(n for n in names if n in sys.modules and n.split(".")[0] not in ("torch", "transformers", "builtins"))
@@ -80,9 +84,7 @@ def code_key(drafter=None) -> str:
 def cost_table_path(target, context_length: int, kind: str = "sps", drafter=None) -> Path:
     cfg = target.config.get_text_config()
     device = str(target.device) if target.device.type != "cuda" else torch.cuda.get_device_name(target.device)
-    # this module's own source too: a table measured or smoothed by other code is measured again
-    profiler = hashlib.sha1(Path(__file__).read_bytes()).hexdigest()[:12]
-    key = f"{model_key(target)}|{device}|{torch.get_num_threads()}|ctx{context_length}|{code_key(drafter)}|{profiler}"
+    key = f"{model_key(target)}|{device}|{torch.get_num_threads()}|ctx{context_length}|{code_key(drafter)}"
     if drafter is not None:
         key += "|" + model_key(drafter)
     prefix = cfg.model_type if kind == "sps" else f"{cfg.model_type}-{kind}"

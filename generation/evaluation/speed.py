@@ -50,6 +50,8 @@ def _methods(drafters: dict, prompt_lookup_num_tokens: int) -> dict[str, dict]:
         if getattr(dspark, "confidence_head", None) is not None:  # hardware-aware truncation (profiles once, cached)
             methods["dspark greedy, cost"] = {"kwargs": {"do_sample": False, "assistant_model": dspark}, "config": {"dspark_truncation": "cost"},
                                               "baseline": "plain greedy", "drafter": "dspark"}  # fmt: skip
+            methods["dspark sampled, cost"] = {"kwargs": {**sampled, "assistant_model": dspark}, "config": {"dspark_truncation": "cost"},
+                                               "baseline": "plain sampled", "drafter": "dspark"}  # fmt: skip
         # hybrid: the prompt-lookup continuation or the DSpark block, chosen each round (generation.decoding.hybrid)
         lookup = {"assistant_model": dspark, "prompt_lookup_num_tokens": prompt_lookup_num_tokens}
         methods["hybrid greedy"] = {"kwargs": {"do_sample": False, **lookup}, "baseline": "plain greedy", "drafter": "dspark"}

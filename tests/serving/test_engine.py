@@ -236,7 +236,7 @@ def test_a_draft_cost_table_is_keyed_by_the_drafting_code(monkeypatch):
 
     monkeypatch.setattr(inspect, "getsource", edited)
     assert cost_table_path(target, 32, kind="draft", drafter=drafter) != before
-    assert code_key() == code_key(None) and len(code_key(drafter).split("|")) > 3, "versions, then the drafter's modules"
+    assert code_key() == code_key(None) and len(code_key(drafter).split("|")) > 3, "versions and the profiler, then the drafter's modules"
 
 
 def test_profiler_measures_caches_and_the_load_benchmark_runs(tmp_path, monkeypatch):
