@@ -348,7 +348,8 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
         round_ = self._pending_round
         if self._round_timing is not None:  # the round's wall time: drafting, verification and Transformers' own work
             start, depth = self._round_timing
-            self._planner.record_round_time(1, depth, [round_.verified], time.perf_counter() - start)
+            committed = None if round_.proposal == "ngram" else int(num_matches) + 1
+            self._planner.record_round_time(1, depth, [round_.verified], time.perf_counter() - start, committed)
             self._round_timing = None
         if self.hybrid is not None and round_ is not None:
             if round_.proposal == "ngram":

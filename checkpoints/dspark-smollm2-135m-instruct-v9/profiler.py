@@ -7,7 +7,8 @@ of load on a shared machine slows all of them alike instead of one.
 - ``profile_sps(target)``: the paper's ``SPS(B)``, one forward of ``B`` new tokens on top of a cache of
   ``context_length`` tokens, for a grid of ``B`` (:class:`CostTable`).
 - ``profile_verify_cost(target)``: the engine's verify forward, ``R`` rows with their own caches of
-  ``context_length`` tokens, right-padded to a width of 1..``max_width`` tokens (:class:`PaddedCostTable`).
+  ``context_length`` tokens, right-padded to a width of 1..``max_width`` tokens, its mask passed as the engine
+  passes it (:class:`PaddedCostTable`).
 - ``profile_draft_cost(target, drafter)``: one drafting call (backbone, then :func:`draft_block`) for ``R`` rows
   drafting 1..block_size slots (:class:`DraftCost`).
 
@@ -28,6 +29,7 @@ from transformers.cache_utils import DynamicCache
 
 from .drafting import draft_block
 from .scheduler import CostTable, DraftCost, PaddedCostTable
+from .ragged_cache import four_d_mask_pays, verify_attention_mask
 
 __all__ = [
     "DEFAULT_GRID",
@@ -163,11 +165,16 @@ def _store(path: Path, payload: dict) -> None:
 @torch.no_grad()
 def profile_verify_cost(
     target, *, rows=DEFAULT_ROWS, max_width: int = 8, context_length: int = 256, repeats: int = 5,
-    use_cache: bool = True, progress: bool = True,
+    use_cache: bool = True, progress: bool = True, four_d_mask: bool | None = None,
 ) -> PaddedCostTable:  # fmt: skip
     """Seconds of the engine's verify forward: ``R`` rows (their own caches of ``context_length`` tokens) x width
-    ``W`` new tokens, with a 2-D attention mask and the hidden states returned, as ``DSparkEngine.step`` runs it."""
-    path = cost_table_path(target, context_length, kind="verify")
+    ``W`` new tokens, with the hidden states returned, as ``DSparkEngine.step`` runs it. ``four_d_mask``: the mask
+    passed ready-made in 4-D (``verify_attention_mask``), as the engine does where ``four_d_mask_pays`` (None: the
+    engine's choice on this device), or in 2-D, as ``generate()`` passes it; the two cost differently for one
+    token on CPU."""
+    if four_d_mask is None:
+        four_d_mask = four_d_mask_pays(target)
+    path = cost_table_path(target, context_length, kind="verify-4d" if four_d_mask else "verify")
     widths = list(range(1, max_width + 1))
     stored = _load_cached(path, use_cache)
     if stored is not None:
@@ -185,7 +192,9 @@ def profile_verify_cost(
         for w in widths:
             ids = torch.randint(1, vocab, (r, w), generator=g).to(device)
             positions = torch.arange(context_length, context_length + w, device=device)[None].expand(r, -1)
-            mask = torch.ones(r, context_length + w, dtype=torch.long, device=device)
+            mask = verify_attention_mask(
+                torch.ones(r, context_length, dtype=torch.bool), torch.ones(r, w, dtype=torch.bool), four_d=four_d_mask
+            ).to(device)
 
             def forward(ids=ids, mask=mask, positions=positions, cache=cache):
                 target(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, output_hidden_states=True)

@@ -4,7 +4,9 @@
 ``dspark_truncation="cost"`` (one row). It keeps a moving average of each row's calibrated survival per slot,
 plans the depth D that maximises ``Theta = tau / (T_draft(R, D) + T_verify)`` on those estimates
 (`scheduler.plan_draft_depth`, D = 0 skips the drafter), and corrects the cost tables online: every round's wall
-time is divided by what the tables predict, per (load level, depth). A depth chosen before anything is drafted
+time is divided by what the tables predict, per (load level, depth). Last, it checks the plan against the outcome:
+where the rounds that drafted have committed fewer tokens per second than the plain rounds at the same load
+level, it does not draft (:meth:`DepthPlanner.drafting_trails`). A depth chosen before anything is drafted
 cannot depend on the drafts, so the plan is lossless whatever it reads from the past.
 
 Probes keep the estimates fresh: with no estimate yet, or after ``probe_interval - 1`` rounds without drafting,
@@ -53,6 +55,7 @@ class DepthPlanner:
         self.rounds_since_draft = 0
         self.planned_rounds = 0
         self.cost_ratio: dict[tuple[int, int], float] = {}  # (load level, depth) -> measured / modelled time
+        self.throughput: dict[tuple[int, bool], float] = {}  # (load level, drafted) -> committed tokens / s
         self.models: tuple | None = None  # set by the engine that made it: what its measurements are of
 
     def plan(self, estimates: Sequence[list[float] | None]) -> int:
@@ -70,6 +73,8 @@ class DepthPlanner:
         depth = plan_draft_depth(
             estimates, self.cost_table, self.draft_cost, self.block_size, cost_scale=lambda d: self.scale(level, d)
         )
+        if depth > 0 and self.drafting_trails(level):
+            depth = 0
         if depth > 0:
             self.probe_wait = self.probe_interval
         elif self._probed:  # the look did not change the plan: look less often
@@ -92,6 +97,13 @@ class DepthPlanner:
             self.mean_survival = blend_survival(self.mean_survival, mean, self.block_size)
         return updated
 
+    def drafting_trails(self, level: int) -> bool:
+        """Whether the rounds that drafted at this load level committed fewer tokens per second than the plain ones
+        (moving averages of what was measured): the tables and survival estimates are models, and a plan they
+        favour is dropped when it is losing in fact. Probes keep measuring the drafted side."""
+        drafted, plain = self.throughput.get((level, True)), self.throughput.get((level, False))
+        return self.adapt_costs and drafted is not None and plain is not None and drafted < plain
+
     @staticmethod
     def load_level(num_rows: int) -> int:
         return 1 << (num_rows - 1).bit_length()  # 1, 2, 4, 8, ...: rows whose costs behave alike
@@ -107,13 +119,21 @@ class DepthPlanner:
         verify = self.cost_table.step_seconds(num_rows, num_rows + sum(lengths), width)
         return self.draft_cost.draft_seconds(num_rows, depth) + verify
 
-    def record_round_time(self, num_rows: int, depth: int, lengths: Sequence[int], seconds: float) -> None:
-        """Fold a measured round time into the (load level, depth) ratio of measured to modelled time."""
+    def record_round_time(
+        self, num_rows: int, depth: int, lengths: Sequence[int], seconds: float, committed: int | None = None
+    ) -> None:
+        """Fold a measured round time into the (load level, depth) ratio of measured to modelled time and, given the
+        tokens the round ``committed`` (None for a round that verified something else, an n-gram), into the
+        level's throughput of drafted or plain rounds."""
         if not self.adapt_costs or seconds <= 0:
             return
-        key = (self.load_level(num_rows), depth)
+        level = self.load_level(num_rows)
+        key = (level, depth)
         ratio = seconds / self.modelled_seconds(num_rows, depth, lengths)
         self.cost_ratio[key] = ratio if key not in self.cost_ratio else 0.7 * self.cost_ratio[key] + 0.3 * ratio
+        if committed is not None:
+            key, rate = (level, depth > 0), committed / seconds
+            self.throughput[key] = rate if key not in self.throughput else 0.7 * self.throughput[key] + 0.3 * rate
 
 
 def generate_planner(target, drafter, generation_config=None) -> tuple:
@@ -133,7 +153,8 @@ def generate_planner(target, drafter, generation_config=None) -> tuple:
         if cost_table is None or draft_cost is None:
             from .profiler import profile_draft_cost, profile_verify_cost
 
-            cost_table = cost_table or profile_verify_cost(target, rows=(1,), max_width=max_width)
+            # generate()'s verify forward gets Transformers' 2-D mask
+            cost_table = cost_table or profile_verify_cost(target, rows=(1,), max_width=max_width, four_d_mask=False)
             draft_cost = draft_cost or profile_draft_cost(target, drafter, rows=(1,))
         planners[key] = (DepthPlanner(cost_table, draft_cost, block, adapt_costs=adapt), cost_table)
     return planners[key]

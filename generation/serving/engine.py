@@ -48,7 +48,7 @@ from generation.scheduling.scheduler import (
     schedule_threshold,
     schedule_top_k,
 )
-from generation.serving.ragged_cache import RaggedCache
+from generation.serving.ragged_cache import RaggedCache, four_d_mask_pays
 from generation.serving.verification import process_logits, sample_tokens, verify_drafts
 
 __all__ = ["SCHEDULERS", "DSparkEngine", "EngineRequest", "uses_sliding_window"]
@@ -204,6 +204,7 @@ class DSparkEngine:
             depth_planner.models = _measured_on(target, drafter)
         self.depth_planner = depth_planner
         self.compact_slack = compact_slack
+        self.four_d_mask = four_d_mask_pays(target)  # the verify forward's mask; the profiler times the same
         self.lm_head = target.get_output_embeddings()
         self.input_embeddings = target.get_input_embeddings()
         self.pad_token_id = target.generation_config.pad_token_id or 0
@@ -479,7 +480,7 @@ class DSparkEngine:
         new_valid = torch.arange(q_len, device=device)[None] < (1 + lengths_t)[:, None]
         anchors_pos = torch.tensor([r.anchor_position for r in requests], device=device)
         out = self.target(
-            input_ids=ids, attention_mask=self.target_cache.attention_mask(new_valid).to(device),
+            input_ids=ids, attention_mask=self.target_cache.attention_mask(new_valid, four_d=self.four_d_mask).to(device),
             position_ids=anchors_pos[:, None] + torch.arange(q_len, device=device)[None], cache=self.target_cache.cache,
             use_cache=True, **self._feature_kwargs(),
         )  # fmt: skip
@@ -508,7 +509,8 @@ class DSparkEngine:
                 r.stats.rounds.append(DSparkRound(drafted=drafted[i], verified=lengths[i], accepted=n, confidence_logits=z, proposal=kind))
             self._commit(r, ids_l[i][1 : 1 + n] + [next_l[i]])
         if self.depth_planner is not None:
-            self.depth_planner.record_round_time(num_rows, depth if drafts.shape[1] else 0, lengths, time.perf_counter() - started)
+            committed = None if ngram_rows else int(sum(accepted_l)) + num_rows  # an n-gram's tokens are not drafting's
+            self.depth_planner.record_round_time(num_rows, depth if drafts.shape[1] else 0, lengths, time.perf_counter() - started, committed)
         self.step_log.append({"active": num_rows, "drafted": depth if drafts.shape[1] else 0,
                               "verified": int(sum(lengths)) + num_rows, "committed": int(sum(accepted_l)) + num_rows})  # fmt: skip
         done += self._retire()

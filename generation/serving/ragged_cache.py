@@ -17,7 +17,29 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-__all__ = ["ArenaLayer", "RaggedCache"]
+__all__ = ["ArenaLayer", "RaggedCache", "four_d_mask_pays", "verify_attention_mask"]
+
+
+def four_d_mask_pays(model) -> bool:
+    """Whether ``model``'s forward should get its attention mask ready-made in 4-D. On CPU, Transformers drops an
+    all-ones 2-D mask and calls torch's sdpa with ``enable_gqa``, which for one query token runs 1.1x (1 row) to
+    1.8x (16 rows) slower than with a mask (SmolLM2-135M, bf16, torch 2.13, Transformers 5.24,
+    ``benchmarks/mask_timing.py``); on an accelerator the maskless kernels are the fast ones. Only sdpa reads a
+    boolean mask as it is (eager adds the mask to the scores)."""
+    return model.device.type == "cpu" and getattr(model.config, "_attn_implementation", None) == "sdpa"
+
+
+def verify_attention_mask(cache_valid: torch.Tensor, new_valid: torch.Tensor, *, four_d: bool = False) -> torch.Tensor:
+    """The mask of a forward of ``Q`` new columns (``new_valid`` [R, Q]) on top of ``S`` cached ones
+    (``cache_valid`` [R, S]): [R, S + Q] 0/1, or with ``four_d`` the boolean [R, 1, Q, S + Q] mask the attention
+    reads (new token i sees the valid cached columns and the valid new ones up to i), which Transformers uses as
+    it is."""
+    valid = torch.cat([cache_valid, new_valid.to(cache_valid.device, torch.bool)], dim=1)
+    if not four_d:
+        return valid.long()
+    num_cached, q_len = cache_valid.shape[1], new_valid.shape[1]
+    causal = torch.ones(q_len, num_cached + q_len, dtype=torch.bool, device=valid.device).tril(num_cached)
+    return valid[:, None, None, :] & causal[None, None]
 
 
 class ArenaLayer(DynamicLayer):
@@ -153,9 +175,9 @@ class RaggedCache:
         if self._tensors() and self._tensors()[0][0].shape[-2] != self.width:
             raise RuntimeError(f"cache has {self._tensors()[0][0].shape[-2]} columns, the valid mask {self.width}")
 
-    def attention_mask(self, new_valid: torch.Tensor) -> torch.Tensor:
-        """[R, S + Q] 0/1 mask over the cached columns and ``Q`` new ones (``new_valid`` [R, Q])."""
-        return torch.cat([self.valid, new_valid.to(self.valid.device, torch.bool)], dim=1).long()
+    def attention_mask(self, new_valid: torch.Tensor, *, four_d: bool = False) -> torch.Tensor:
+        """The mask over the cached columns and ``Q`` new ones (``new_valid`` [R, Q]): :func:`verify_attention_mask`."""
+        return verify_attention_mask(self.valid, new_valid, four_d=four_d)
 
     def keep_rows(self, rows: torch.Tensor | list[int]) -> None:
         """Keep only these rows, in this order (requests that left are dropped)."""

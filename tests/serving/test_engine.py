@@ -256,7 +256,7 @@ def test_profiler_measures_caches_and_the_load_benchmark_runs(tmp_path, monkeypa
     assert verify.rows == (1, 3) and verify.widths == (1, 2, 3, 4) and verify.forward_seconds(2, 3) > 0
     draft = profile_draft_cost(target, drafter, rows=(1, 3), context_length=32, repeats=1, progress=False)
     assert draft.rows == (1, 3) and draft.max_depth == drafter.config.block_size and draft.draft_seconds(3, 1) > 0
-    for kind, kw in (("verify", {}), ("draft", {"drafter": drafter})):
+    for kind, kw in (("verify-4d", {}), ("draft", {"drafter": drafter})):  # a CPU sdpa target: the 4-D mask
         assert cost_table_path(target, 32, kind=kind, **kw).is_file()
     assert profile_verify_cost(target, rows=(1,), max_width=2, context_length=32, progress=False).to_dict() == {
         1: {w: verify.to_dict()[1][w] for w in (1, 2)}
@@ -406,6 +406,31 @@ def test_measured_step_times_correct_the_cost_model():
     free = DraftCost.from_dict({4: [0.0] * 4})
     assert plan_draft_depth(sure, PADDED, free, 4) == 4
     assert plan_draft_depth(sure, PADDED, free, 4, cost_scale=lambda d: 1.0 if d == 0 else 5.0) == 0
+
+
+def test_a_plan_that_loses_in_fact_is_dropped():
+    """Where the rounds that drafted have committed fewer tokens per second than the plain ones at the same load
+    level, the planner skips the drafter there, whatever the tables favour, and drafts again once drafting measures
+    ahead; other levels keep their own record, and ``adapt_costs=False`` keeps the tables' plan."""
+    free = DraftCost.from_dict({4: [0.0] * 4})
+    sure = [[0.9, 0.8, 0.7, 0.6]] * 4
+    planner = depth_planner_module.DepthPlanner(PADDED, free, 4, probe_interval=1000)
+    plain_s, block_s = planner.modelled_seconds(4, 0, [0] * 4), planner.modelled_seconds(4, 4, [4] * 4)  # times as modelled
+    assert planner.plan(sure) == 0  # the first plan at a level measures a plain round
+    planner.record_round_time(4, 0, [0] * 4, plain_s, committed=4)
+    assert planner.plan(sure) == 4  # free drafting of sure blocks: the tables favour full blocks
+    planner.record_round_time(4, 4, [4] * 4, block_s, committed=4)  # ... which committed no more than a plain round
+    assert planner.drafting_trails(4) and planner.plan(sure) == 0
+    assert not planner.drafting_trails(8)
+    planner.record_round_time(4, 4, [4] * 4, block_s, committed=20)  # a probe that paid
+    assert planner.throughput[4, True] == pytest.approx((0.7 * 4 + 0.3 * 20) / block_s)
+    assert not planner.drafting_trails(4) and planner.plan(sure) == 4
+    planner.record_round_time(4, 4, [4] * 4, block_s, committed=None)  # an n-gram round: not drafting's to count
+    assert planner.throughput[4, True] == pytest.approx((0.7 * 4 + 0.3 * 20) / block_s)
+    fixed = depth_planner_module.DepthPlanner(PADDED, free, 4, probe_interval=1000, adapt_costs=False)
+    fixed.record_round_time(4, 0, [0] * 4, plain_s, committed=4)
+    fixed.record_round_time(4, 4, [4] * 4, block_s, committed=1)
+    assert not fixed.drafting_trails(4) and fixed.plan(sure) == 4
 
 
 @pytest.mark.parametrize("scheduler", ["fixed", "threshold", "algorithm1+draft cost"])

@@ -101,3 +101,36 @@ def test_requests_joining_as_others_leave_take_their_rows_and_decode_exactly(sch
     assert sum(dropped) <= 3, "rows are dropped only when no request is waiting to take them"
     if scheduler != "none":
         assert sum(r.verified for job in jobs for r in engine.finished[job].stats.rounds) > 0
+
+
+def test_the_four_d_verify_mask_is_the_two_d_mask_transformers_builds():
+    """A forward on a cache with holes (rolled-back columns, a shorter row) and right-padded new columns gives the
+    same logits with the mask ready-made in 4-D as with the 2-D mask, and the engine passes 4-D masks on CPU with
+    sdpa only (eager adds a mask to the scores, where a boolean one would be silently wrong)."""
+    from transformers.cache_utils import DynamicCache
+
+    target = tiny_target().float()
+    torch.manual_seed(0)
+    cache_valid = torch.tensor([[True, True, False, True, True, True], [True, True, True, False, False, False]])
+    new_valid = torch.tensor([[True, True, True], [True, False, False]])
+    ids = torch.randint(1, 96, (2, 9))
+    positions = torch.cumsum(torch.cat([cache_valid, new_valid], dim=1).long(), dim=1) - 1
+    two_d = ragged_cache.verify_attention_mask(cache_valid, new_valid)
+    four_d = ragged_cache.verify_attention_mask(cache_valid, new_valid, four_d=True)
+    assert four_d.shape == (2, 1, 3, 9) and four_d.dtype == torch.bool
+    assert four_d[1, 0, 2].tolist() == [True] * 3 + [False] * 3 + [True, False, False]  # a padded query sees the valid keys
+    no_holes = ragged_cache.verify_attention_mask(torch.ones_like(cache_valid), new_valid, four_d=True)
+    logits = []
+    for mask in (two_d, four_d, no_holes):
+        cache = DynamicCache()
+        with torch.no_grad():
+            target(input_ids=ids[:, :6], attention_mask=two_d[:, :6], position_ids=positions[:, :6], cache=cache, use_cache=True)
+            logits.append(target(input_ids=ids[:, 6:], attention_mask=mask, position_ids=positions[:, 6:], cache=cache, use_cache=True).logits)
+    valid_new = new_valid[:, :, None].expand_as(logits[0])
+    torch.testing.assert_close(logits[0][valid_new], logits[1][valid_new], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(logits[0][valid_new], logits[2][valid_new], atol=1e-3)  # the holes are seen
+
+    assert ragged_cache.four_d_mask_pays(target)
+    assert DSparkEngine(target, tiny_drafter(target), scheduler="fixed").four_d_mask
+    target.config._attn_implementation = "eager"
+    assert not ragged_cache.four_d_mask_pays(target)
