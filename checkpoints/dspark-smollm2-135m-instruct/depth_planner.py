@@ -6,14 +6,16 @@ plans the depth D that maximises ``Theta = tau / (T_draft(R, D) + T_verify)`` on
 (`scheduler.plan_draft_depth`, D = 0 skips the drafter), and corrects the cost tables online: every round's wall
 time is divided by what the tables predict, per (load level, depth). Last, it checks the plan against the outcome:
 where the rounds that drafted have committed fewer tokens per second than the plain rounds at the same load
-level, it does not draft (:meth:`DepthPlanner.drafting_trails`). A depth chosen before anything is drafted
-cannot depend on the drafts, so the plan is lossless whatever it reads from the past.
+level, over enough rounds of each to tell, it does not draft (:meth:`DepthPlanner.drafting_trails`). A depth
+chosen before anything is drafted cannot depend on the drafts, so the plan is lossless whatever it reads from the
+past.
 
 Probes keep the estimates fresh: with no estimate yet, or after ``probe_interval - 1`` rounds without drafting,
 one slot is drafted; a plain round is taken first at each load level and every ``probe_interval`` planned rounds,
-so the point the plan compares with is measured too. A probe after which the plan still skips the drafter doubles
+so the point the plan compares with is measured too. A probe after which the tables still skip the drafter doubles
 the wait for the next one (up to ``8 * probe_interval``), so a machine where drafting cannot pay spends little on
-looking; the first plan that drafts again resets it.
+looking; the first plan that drafts again resets it. A plan dropped by the throughput check keeps probing at
+``probe_interval``: that check rests on noisy token counts, and only drafted rounds can overturn it.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ class DepthPlanner:
         self.rounds_since_draft = 0
         self.planned_rounds = 0
         self.cost_ratio: dict[tuple[int, int], float] = {}  # (load level, depth) -> measured / modelled time
-        self.throughput: dict[tuple[int, bool], float] = {}  # (load level, drafted) -> committed tokens / s
+        # (load level, drafted) -> [committed tokens, seconds, rounds]; tokens and seconds decay per round
+        self.throughput_sums: dict[tuple[int, bool], list[float]] = {}
         self.models: tuple | None = None  # set by the engine that made it: what its measurements are of
 
     def plan(self, estimates: Sequence[list[float] | None]) -> int:
@@ -73,10 +76,10 @@ class DepthPlanner:
         depth = plan_draft_depth(
             estimates, self.cost_table, self.draft_cost, self.block_size, cost_scale=lambda d: self.scale(level, d)
         )
-        if depth > 0 and self.drafting_trails(level):
-            depth = 0
         if depth > 0:
             self.probe_wait = self.probe_interval
+            if self.drafting_trails(level):
+                depth = 0
         elif self._probed:  # the look did not change the plan: look less often
             self.probe_wait = min(2 * self.probe_wait, 8 * self.probe_interval)
         self._probed = False
@@ -97,11 +100,25 @@ class DepthPlanner:
             self.mean_survival = blend_survival(self.mean_survival, mean, self.block_size)
         return updated
 
+    # decay per round of the throughput sums (a window of about 20 rounds), and the rounds each side needs before
+    # the check may drop a plan: a drafted round commits 1 to D + 1 tokens per row, so a few rounds cannot tell
+    # a 20 % gain from a loss; a plain round commits one per row, and its time varies little
+    THROUGHPUT_DECAY = 0.95
+    EVIDENCE_ROUNDS = {True: 12, False: 2}
+
+    def throughput(self, level: int, drafted: bool) -> float | None:
+        """Committed tokens per second of this load level's drafted or plain rounds (decayed sums), None until
+        :attr:`EVIDENCE_ROUNDS` rounds are measured."""
+        sums = self.throughput_sums.get((level, drafted))
+        if sums is None or sums[2] < self.EVIDENCE_ROUNDS[drafted]:
+            return None
+        return sums[0] / sums[1]
+
     def drafting_trails(self, level: int) -> bool:
-        """Whether the rounds that drafted at this load level committed fewer tokens per second than the plain ones
-        (moving averages of what was measured): the tables and survival estimates are models, and a plan they
-        favour is dropped when it is losing in fact. Probes keep measuring the drafted side."""
-        drafted, plain = self.throughput.get((level, True)), self.throughput.get((level, False))
+        """Whether the rounds that drafted at this load level committed fewer tokens per second than the plain ones:
+        the tables and survival estimates are models, and a plan they favour is dropped when it is losing in fact.
+        Probes keep measuring the drafted side."""
+        drafted, plain = self.throughput(level, True), self.throughput(level, False)
         return self.adapt_costs and drafted is not None and plain is not None and drafted < plain
 
     @staticmethod
@@ -124,7 +141,8 @@ class DepthPlanner:
     ) -> None:
         """Fold a measured round time into the (load level, depth) ratio of measured to modelled time and, given the
         tokens the round ``committed`` (None for a round that verified something else, an n-gram), into the
-        level's throughput of drafted or plain rounds."""
+        level's throughput sums of drafted or plain rounds: a ratio of sums, since a mean of per-round rates
+        overweights the rounds that happened to commit much in little time."""
         if not self.adapt_costs or seconds <= 0:
             return
         level = self.load_level(num_rows)
@@ -132,8 +150,9 @@ class DepthPlanner:
         ratio = seconds / self.modelled_seconds(num_rows, depth, lengths)
         self.cost_ratio[key] = ratio if key not in self.cost_ratio else 0.7 * self.cost_ratio[key] + 0.3 * ratio
         if committed is not None:
-            key, rate = (level, depth > 0), committed / seconds
-            self.throughput[key] = rate if key not in self.throughput else 0.7 * self.throughput[key] + 0.3 * rate
+            tokens, total, rounds = self.throughput_sums.get((level, depth > 0), (0.0, 0.0, 0))
+            decay = self.THROUGHPUT_DECAY
+            self.throughput_sums[level, depth > 0] = [decay * tokens + committed, decay * total + seconds, rounds + 1]
 
 
 def generate_planner(target, drafter, generation_config=None) -> tuple:
