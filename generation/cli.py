@@ -18,7 +18,7 @@ __all__ = ["main"]
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, then explain it briefly."
 # The shipped SmolLM2 drafter: the main job, the Space and its build read it from here; a random drafter is used
 # where the folder is missing.
-SHIPPED_DRAFTER = Path(__file__).resolve().parents[1] / "checkpoints" / "dspark-smollm2-135m-instruct-v13"
+SHIPPED_DRAFTER = Path(__file__).resolve().parents[1] / "checkpoints" / "dspark-smollm2-135m-instruct-v14"
 
 
 def _timed_generate(target, input_ids, **kwargs):
