@@ -157,7 +157,8 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
     (0 = no drafter call, a plain round) is planned from the survival of earlier rounds and the profiled costs
     corrected by measured round times (`generation.scheduling.depth_planner`); after drafting, Algorithm 1 keeps the
     prefix whose ``tau / (T_draft + T_verify)`` is best, walking slot by slot and stopping at the first slot that
-    does not improve it (so the cut at slot k reads survival up to k only). ``dspark_cost_table`` /
+    does not improve it (so the cut at slot k reads survival up to k only). Both read the calibrated survival scaled
+    by what earlier rounds' verified drafts yielded against it (`DepthPlanner.corrected`). ``dspark_cost_table`` /
     ``dspark_draft_cost`` pass the tables instead of profiling them.
 
     ``prompt_lookup_num_tokens`` (with ``max_matching_ngram_size``, default 2, as in Transformers) turns on hybrid
@@ -215,6 +216,7 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
         self.survival_estimate: list[float] | None = None  # moving average of the block's survival per slot
         self._unseen_features = None  # target features of tokens the drafter has not read (rounds without drafting)
         self._round_timing = None  # (start, depth) of the round in flight, for the measured-cost ratio (verified: its round)
+        self._round_survival = None  # calibrated survival of the verified drafts of the round in flight (cost truncation)
 
     def _propose(self, input_ids: torch.LongTensor, model_outputs) -> tuple[torch.LongTensor, torch.Tensor | None]:
         start = time.perf_counter()
@@ -299,6 +301,7 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
             self.hybrid.record_choice("dspark")
         if survival is not None and drafted and self.depth_planner is not None:
             verified = self._cost_cut(survival[:drafted], depth)
+            self._round_survival = survival[:verified]
         self._pending_round = DSparkRound(
             drafted=drafted,
             verified=verified,
@@ -342,10 +345,13 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
         from .scheduler import schedule_algorithm1
 
         spent = self.depth_planner.draft_cost.draft_seconds(1, depth)
-        return schedule_algorithm1([survival], self.cost_table, draft_seconds=spent)[0]
+        return schedule_algorithm1(self.depth_planner.corrected([survival]), self.cost_table, draft_seconds=spent)[0]
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         round_ = self._pending_round
+        if self._round_survival is not None:  # what the verified drafts were expected to yield, against what they did
+            self.depth_planner.record_acceptance([self._round_survival], [round_.verified], [int(num_matches)])
+            self._round_survival = None
         if self._round_timing is not None:  # the round's wall time: drafting, verification and Transformers' own work
             start, depth = self._round_timing
             committed = None if round_.proposal == "ngram" else int(num_matches) + 1

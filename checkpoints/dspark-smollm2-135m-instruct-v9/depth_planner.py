@@ -10,6 +10,14 @@ level, over enough rounds of each to tell, it does not draft (:meth:`DepthPlanne
 chosen before anything is drafted cannot depend on the drafts, so the plan is lossless whatever it reads from the
 past.
 
+The calibrated survival is a model too: calibration fits one decoding mode's confidences on one set of prompts,
+and a server's requests differ (sampling at T = 1 accepts less than the confidence head learnt from greedy-heavy
+data, for example). The planner therefore compares what the verified drafts of earlier rounds were expected to
+yield, the sum of their survival, with what they did yield, and scales every survival it plans with, and the
+engine schedules with, by that ratio (:meth:`DepthPlanner.corrected`): one number from past rounds, the same for
+every slot, so an admission still depends only on survival up to the slot admitted. ``correct_survival=False``
+turns this correction off, ``adapt_costs=False`` turns it off with that of the tables.
+
 Probes keep the estimates fresh: with no estimate yet, or after ``probe_interval - 1`` rounds without drafting,
 one slot is drafted; a plain round is taken first at each load level and every ``probe_interval`` planned rounds,
 so the point the plan compares with is measured too. A probe after which the tables still skip the drafter doubles
@@ -42,7 +50,10 @@ def blend_survival(old: list[float] | None, new: Sequence[float], depth: int) ->
 
 
 class DepthPlanner:
-    def __init__(self, cost_table, draft_cost: DraftCost, block_size: int, *, probe_interval: int = 16, adapt_costs: bool = True):
+    def __init__(
+        self, cost_table, draft_cost: DraftCost, block_size: int, *, probe_interval: int = 16, adapt_costs: bool = True,
+        correct_survival: bool = True,
+    ):
         if not isinstance(draft_cost, DraftCost):
             raise ValueError(f"draft_cost must be a DraftCost, got {type(draft_cost).__name__}")
         if draft_cost.max_depth < block_size:
@@ -50,7 +61,7 @@ class DepthPlanner:
         if probe_interval < 1:
             raise ValueError(f"probe_interval must be >= 1, got {probe_interval}")
         self.cost_table, self.draft_cost, self.block_size = cost_table, draft_cost, block_size
-        self.probe_interval, self.adapt_costs = probe_interval, adapt_costs
+        self.probe_interval, self.adapt_costs, self.correct_survival = probe_interval, adapt_costs, correct_survival
         self.probe_wait = probe_interval  # rounds between one-slot probes while the plan skips the drafter
         self._probed = False  # the last round was such a probe
         self.mean_survival: list[float] | None = None  # over every drafted row, for rows not drafted yet
@@ -60,12 +71,14 @@ class DepthPlanner:
         # (load level, drafted) -> [committed tokens, seconds, rounds]; tokens and seconds decay per round
         self.throughput_sums: dict[tuple[int, bool], list[float]] = {}
         self.models: tuple | None = None  # set by the engine that made it: what its measurements are of
+        self.acceptance_sums = [0.0, 0.0]  # accepted drafts, their expectation under the calibrated survival (decayed)
 
     def plan(self, estimates: Sequence[list[float] | None]) -> int:
         """Slots to draft this round for rows with these survival estimates (None: nothing seen for that row)."""
         estimates = [e or self.mean_survival for e in estimates]
         if any(e is None for e in estimates):
             return 1  # nothing known yet: one slot is the cheapest look
+        estimates = self.corrected(estimates)
         if self.rounds_since_draft + 1 >= self.probe_wait:
             self._probed = True
             return 1  # time to refresh what is known
@@ -99,6 +112,39 @@ class DepthPlanner:
             mean = [sum(s[k] for s in observed) / len(observed) for k in range(depth)]
             self.mean_survival = blend_survival(self.mean_survival, mean, self.block_size)
         return updated
+
+    # decay per drafted round of the acceptance sums (a window of about 30 rounds), and the accepted drafts the
+    # calibrated survival must have predicted before its correction is trusted; the bounds keep one odd stretch
+    # of requests from switching drafting off or on outright
+    ACCEPTANCE_DECAY = 0.97
+    ACCEPTANCE_EVIDENCE = 8.0
+    SURVIVAL_SCALE_BOUNDS = (0.25, 1.5)
+
+    def record_acceptance(self, survival: Sequence[Sequence[float]], lengths: Sequence[int], accepted: Sequence[int]) -> None:
+        """Fold a verified round into the acceptance sums: per row, the calibrated (uncorrected) survival of its
+        drafted slots, the drafts it verified and how many of those the target accepted."""
+        expected = sum(sum(s[:n]) for s, n in zip(survival, lengths))
+        if not (self.adapt_costs and self.correct_survival) or expected <= 0:
+            return
+        got = sum(min(a, n) for a, n in zip(accepted, lengths))
+        tokens, predicted = self.acceptance_sums
+        decay = self.ACCEPTANCE_DECAY
+        self.acceptance_sums = [decay * tokens + got, decay * predicted + expected]
+
+    @property
+    def survival_scale(self) -> float:
+        """Accepted drafts over the calibrated survival's expectation of them, in recent verified rounds (1 until
+        :attr:`ACCEPTANCE_EVIDENCE` accepted drafts were expected)."""
+        tokens, predicted = self.acceptance_sums
+        if predicted < self.ACCEPTANCE_EVIDENCE:
+            return 1.0
+        low, high = self.SURVIVAL_SCALE_BOUNDS
+        return min(max(tokens / predicted, low), high)
+
+    def corrected(self, survival: Sequence[Sequence[float]]) -> list[list[float]]:
+        """Survival curves scaled by :attr:`survival_scale` (capped at 1, so still non-increasing)."""
+        scale = self.survival_scale
+        return [[min(1.0, scale * a) for a in s] for s in survival]
 
     # decay per round of the throughput sums (a window of about 20 rounds), and the rounds each side needs before
     # the check may drop a plan: a drafted round commits 1 to D + 1 tokens per row, so a few rounds cannot tell

@@ -12,13 +12,18 @@ Algorithm 1 and the asynchronous variant run twice: with the paper's cost model 
 ``generation.profile_sps``; full blocks drafted every step, drafting time left out) and with the engine's own
 (``profile_verify_cost``: the right-padded verify forward; ``profile_draft_cost``: the drafter for R rows and D
 slots; the depth planned before drafting, 0 = skip the drafter). All tables are profiled once, cached, plotted.
+"algorithm 1, survival as calibrated" is Algorithm 1 with the engine's costs but without the planner's scaling of
+the survival by the drafts accepted against it (``correct_survival=False``). ``--methods`` runs a subset.
 
 Every method first serves a warm-up batch of R other prompts (``--warmup-tokens`` each): shapes, allocations.
 A cost-aware scheduler's measured engine continues from the depth planner of the engine before it (its survival
 estimates and measured cost corrections), as a serving engine under steady load does; the "cold" rows start from
 nothing, so their gap to the warm rows is what exploration costs in one batch. Each (method, R) is measured
-``--repeats`` times, the methods interleaved in alternating order so that the machine's drift (10-25 % between two
-batches minutes apart, measured on a shared CPU) hits them alike; the table gives the median.
+``--repeats`` times. Within a measured batch the methods' engines take one step each in turn, and a method's time
+is the sum of its own steps: the machine's drift (10-25 % between two batches minutes apart, and up to 2x within
+minutes on a shared 2-core CPU) then hits every method alike, where batches run one after another measured the
+drift more than the methods. The engines draw from one seeded random stream in turn, so each method's samples
+differ from a run of that method alone, with the same distribution. The table gives the median.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ METHODS = {
     "algorithm 1, paper cost": {"scheduler": "algorithm1", "costs": "paper"},
     "asynchronous, paper cost": {"scheduler": "async", "costs": "paper"},
     "algorithm 1": {"scheduler": "algorithm1", "costs": "engine"},
+    "algorithm 1, survival as calibrated": {"scheduler": "algorithm1", "costs": "engine", "correct_survival": False},
     "asynchronous": {"scheduler": "async", "costs": "engine"},
     "algorithm 1, cold": {"scheduler": "algorithm1", "costs": "engine", "warm": False},
     "asynchronous, cold": {"scheduler": "async", "costs": "engine", "warm": False},
@@ -67,6 +73,20 @@ def _prompts(tokenizer, n: int, eval_dir=None) -> list[list[int]]:
     pools = [load_eval_prompts(name, n, **kwargs) for name in ("gsm8k", "humaneval", "mt-bench")]
     rows = [pools[i % 3][(i // 3) % len(pools[i % 3])] for i in range(n)]  # cycles when a benchmark runs short
     return [chat_input_ids(tokenizer, row["prompt"])[0].tolist() for row in rows]
+
+
+def _step_in_turn(engines: dict) -> dict:
+    """Runs the engines' queued requests to completion, one step of each engine in turn; returns each engine's
+    seconds, the sum of its own steps (prefill included). A shared machine's speed drifts by 10-25 % within
+    minutes, more than the differences measured here; stepped in turn, every method runs under the same drift."""
+    seconds = dict.fromkeys(engines, 0.0)
+    while any(engine.has_work() for engine in engines.values()):
+        for label, engine in engines.items():
+            if engine.has_work():
+                start = time.perf_counter()
+                engine.step()
+                seconds[label] += time.perf_counter() - start
+    return seconds
 
 
 @torch.no_grad()
@@ -115,7 +135,7 @@ def run_load(
     for r in concurrency:
         planners = {}  # label -> the planner the next measured engine continues from
         for rep in range(repeats):
-            # methods interleaved, in alternating order, so the machine's drift over a run hits them alike
+            engines, ids = {}, {}
             for label in list(methods) if rep % 2 == 0 else list(methods)[::-1]:
                 kwargs, carry = engine_kwargs[label], methods[label].get("warm", True)
                 if rep == 0:  # a warm-up batch of other prompts: shapes, allocations, and the planner's first looks
@@ -123,15 +143,16 @@ def run_load(
                     torch.manual_seed(seed + 1)
                     warm.generate(warmup_prompts[:r], max_new_tokens=max(warmup_tokens, 1), temperature=1.0)
                     planners[label] = warm.depth_planner
-                engine = DSparkEngine(target, drafter, **kwargs, depth_planner=planners[label] if carry else None)
-                torch.manual_seed(seed + rep)
-                start = time.perf_counter()
-                outs = engine.generate(prompts[:r], max_new_tokens=max_new_tokens, temperature=1.0)
-                wall = time.perf_counter() - start
-                if carry:
+                engines[label] = DSparkEngine(target, drafter, **kwargs, depth_planner=planners[label] if carry else None)
+                ids[label] = [engines[label].add_request(p, max_new_tokens=max_new_tokens, temperature=1.0) for p in prompts[:r]]
+            torch.manual_seed(seed + rep)
+            seconds = _step_in_turn(engines)
+            for label, engine in engines.items():
+                if methods[label].get("warm", True):
                     planners[label] = engine.depth_planner
+                outs = [engine.finished[i].output_ids for i in ids[label]]
                 rounds = [x for req in engine.finished.values() for x in req.stats.rounds]
-                runs[label][r].append((sum(len(o) for o in outs), wall, engine.step_log, rounds))
+                runs[label][r].append((sum(len(o) for o in outs), seconds[label], engine.step_log, rounds))
                 bar.update()
     for label in methods:
         rows = {}
@@ -169,7 +190,8 @@ def write_load_report(results: dict, out_dir, cost_table=None, command: str = ""
         f"# Throughput under load (DSparkEngine)\n\n`{command}`\n",
         f"Temperature 1, {results['max_new_tokens']} new tokens per request, R requests started together after a warm-up "
         f"batch of R other prompts ({results.get('warmup_tokens', 0)} tokens each; cost-aware rows continue from its depth "
-        f"planner, \"cold\" rows start fresh); median of {results.get('repeats', 1)} batches, methods interleaved; "
+        f"planner, \"cold\" rows start fresh); median of {results.get('repeats', 1)} batches, the methods' engines "
+        f"stepped in turn (a method's time: the sum of its own steps); "
         f"single-request plain `generate()`: "
         f"{results['plain_generate_tokens_per_s']:.1f} tok/s.\n",
         "## Generated tokens / s\n",
@@ -226,17 +248,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--warmup-tokens", type=int, default=32, help="new tokens per request of each warm-up batch")
     parser.add_argument("--repeats", type=int, default=2, help="measured batches per method and R (median reported)")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), metavar="METHOD",
+                        help=f"rows to run, in this order (default: all of {', '.join(map(repr, METHODS))})")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    methods = {label: METHODS[label] for label in dict.fromkeys(args.methods)}
     target, tokenizer = target_from_args(args)
     drafter = DSparkModel.from_pretrained(args.drafter, dtype=target.dtype).eval()
-    cost = profile_sps(target, max_tokens=8 * max(args.concurrency))
+    # the paper's SPS(B) table only where a "paper cost" row reads it
+    paper = any(spec.get("costs") == "paper" for spec in methods.values())
+    cost = profile_sps(target, max_tokens=8 * max(args.concurrency)) if paper else None
     verify_cost, draft_cost = engine_costs(target, drafter, args.concurrency)
-    results = run_load(target, drafter, tokenizer, concurrency=args.concurrency, max_new_tokens=args.max_new_tokens,
-                       cost_table=cost, verify_cost=verify_cost, draft_cost=draft_cost, warmup_tokens=args.warmup_tokens,
-                       repeats=args.repeats)  # fmt: skip
+    results = run_load(target, drafter, tokenizer, concurrency=args.concurrency, methods=methods,
+                       max_new_tokens=args.max_new_tokens, cost_table=cost, verify_cost=verify_cost,
+                       draft_cost=draft_cost, warmup_tokens=args.warmup_tokens, repeats=args.repeats)  # fmt: skip
     results["dtype"] = dtype_label(target.dtype)
-    results["cost_table"] = dict(zip(cost.tokens, cost.steps_per_second))
+    if cost is not None:
+        results["cost_table"] = dict(zip(cost.tokens, cost.steps_per_second))
     results["verify_cost_seconds"] = verify_cost.to_dict()
     results["draft_cost_seconds"] = draft_cost.to_dict()
     command = command_line("generation.evaluation.load_benchmark", argv)

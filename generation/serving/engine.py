@@ -107,11 +107,12 @@ class DSparkEngine:
     (:func:`generation.profile_verify_cost`, :func:`generation.profile_draft_cost`); a given ``cost_table`` without
     ``draft_cost`` (or ``draft_cost=False``) schedules as the paper does: full blocks drafted every step, drafting
     time left out of ``Theta``. ``adapt_costs=False`` keeps the tables as they are (no correction by measured step
-    times).
+    times) and the calibrated survival as the drafter gives it; ``correct_survival=False`` keeps only the survival as
+    given (no scaling by the drafts accepted against it, `DepthPlanner.corrected`).
 
     ``depth_planner``: continue from another engine's ``engine.depth_planner`` on the same models (its tables, the
     survival and cost corrections it measured, its probe back-off), as a server that restarts its engine, or
-    serves a new batch, would; ``cost_table``, ``draft_cost``, ``probe_interval`` and ``adapt_costs`` then come from
+    serves a new batch, would; ``cost_table``, ``draft_cost``, ``probe_interval``, ``adapt_costs`` and ``correct_survival`` then come from
     it.
 
     ``prompt_lookup_num_tokens``: hybrid drafting per request (`generation.decoding.hybrid`). After the drafter call, each row
@@ -134,6 +135,7 @@ class DSparkEngine:
         draft_cost: DraftCost | bool | None = None,
         probe_interval: int = 16,
         adapt_costs: bool = True,
+        correct_survival: bool = True,
         compact_slack: int = 32,
         depth_planner: DepthPlanner | None = None,
         prompt_lookup_num_tokens: int | None = None,
@@ -200,7 +202,10 @@ class DSparkEngine:
         self.cost_table, self.draft_cost = cost_table, draft_cost
         # the depth of each step, planned from earlier steps (None: full blocks, as the paper drafts)
         if depth_planner is None and draft_cost is not None:
-            depth_planner = DepthPlanner(cost_table, draft_cost, self.block_size, probe_interval=probe_interval, adapt_costs=adapt_costs)
+            depth_planner = DepthPlanner(
+                cost_table, draft_cost, self.block_size, probe_interval=probe_interval, adapt_costs=adapt_costs,
+                correct_survival=correct_survival,
+            )  # fmt: skip
             depth_planner.models = _measured_on(target, drafter)
         self.depth_planner = depth_planner
         self.compact_slack = compact_slack
@@ -403,6 +408,9 @@ class DSparkEngine:
             for r, e in zip(requests, estimates):
                 r.survival_estimate = e
         survival = [[] if i in ngram_rows else s for i, s in enumerate(survival)]
+        self._round_survival = survival
+        if self.depth_planner is not None:
+            survival = self.depth_planner.corrected(survival)
         if self.scheduler == "threshold":
             return schedule_threshold(survival, self.threshold)
         spent = self.draft_cost.draft_seconds(len(requests), depth) if self.draft_cost is not None else 0.0
@@ -466,6 +474,7 @@ class DSparkEngine:
             self.depth_planner.drafted(drafts.shape[1])
         if not drafts.shape[1]:
             drafted = [0] * num_rows
+        self._round_survival = None  # this round's calibrated survival, set where it is scheduled
         ngram_rows = self._ngram_rows(requests, remaining, drafted, confidence_logits) if self.ngram_acceptance is not None else {}
         lengths = self._schedule(requests, drafted, depth, confidence_logits, ngram_rows) if drafts.shape[1] else [0] * num_rows
         if ngram_rows:
@@ -509,6 +518,8 @@ class DSparkEngine:
                 r.stats.rounds.append(DSparkRound(drafted=drafted[i], verified=lengths[i], accepted=n, confidence_logits=z, proposal=kind))
             self._commit(r, ids_l[i][1 : 1 + n] + [next_l[i]])
         if self.depth_planner is not None:
+            if self._round_survival is not None:  # rows that verified an n-gram have no survival here
+                self.depth_planner.record_acceptance(self._round_survival, lengths, accepted_l)
             committed = None if ngram_rows else int(sum(accepted_l)) + num_rows  # an n-gram's tokens are not drafting's
             self.depth_planner.record_round_time(num_rows, depth if drafts.shape[1] else 0, lengths, time.perf_counter() - started, committed)
         self.step_log.append({"active": num_rows, "drafted": depth if drafts.shape[1] else 0,

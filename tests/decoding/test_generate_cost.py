@@ -50,6 +50,31 @@ def test_cost_truncation_greedy_equals_target_and_follows_the_draft_cost():
     assert set(costly) == {0, 1} and [i for i, d in enumerate(costly) if d] == [0, 16, 48, 112], costly
 
 
+def test_cost_truncation_scales_survival_by_the_accepted_drafts(monkeypatch):
+    """generate() reports each verified block's calibrated survival and accepted drafts to its planner (the one the
+    drafter keeps for this target): an untrained drafter that promises survival near 1 and is mostly rejected gets
+    its survival scaled down, by exactly accepted over expected with undecayed sums, and the output is the
+    target's."""
+    from generation.scheduling import depth_planner
+
+    monkeypatch.setattr(depth_planner.DepthPlanner, "ACCEPTANCE_DECAY", 1.0)
+    target = tiny_target()
+    prompt = torch.tensor([[5, 17, 3, 44, 9, 21]])
+    ref = target.generate(prompt, do_sample=False, max_new_tokens=60)
+    drafter = confident(tiny_drafter(target))
+    gen = GenerationConfig(do_sample=False, max_new_tokens=60, **{**cost_config(DraftCost.from_dict({1: [0.0] * 4})), "dspark_adapt_costs": True})
+    out = target.generate(prompt, generation_config=gen, assistant_model=drafter)
+    assert torch.equal(out, ref)
+    planner, _ = depth_planner.generate_planner(target, drafter, gen)
+    rounds = [r for r in drafter.last_stats.rounds if r.proposal == "dspark" and r.verified]
+    assert len(rounds) >= 5
+    with torch.no_grad():
+        expected = sum(drafter.survival(torch.tensor([r.confidence_logits])).sum().item() for r in rounds)
+    accepted = sum(min(r.accepted, r.verified) for r in rounds)
+    assert planner.acceptance_sums == pytest.approx([accepted, expected])
+    assert accepted < 0.5 * expected and planner.survival_scale == pytest.approx(max(accepted / expected, planner.SURVIVAL_SCALE_BOUNDS[0]))
+
+
 def token_dependent_confidence(drafter):
     """``c_k`` a function of the previously sampled token only, from 0.02 to 0.98 across the vocabulary, so that
     Algorithm 1 keeps the second draft after some first drafts and cuts it after others."""

@@ -465,6 +465,68 @@ def test_noisy_drafted_rounds_do_not_drop_a_plan_that_pays():
     assert dropped < len(rounds) // 4
 
 
+def test_survival_is_scaled_by_what_the_verified_drafts_yielded():
+    """The planner scales the calibrated survival by the accepted drafts over their expectation in earlier rounds:
+    no scale before enough drafts were expected, a ratio of decayed sums after, within its bounds; a drafter that
+    promises more than it delivers loses the plan the tables gave its promise; ``correct_survival=False`` (or
+    ``adapt_costs=False``) keeps the survival as calibrated."""
+    free = DraftCost.from_dict({4: [0.0] * 4})
+    steep = PaddedCostTable.from_dict({4: {w: 0.010 * (1 + 0.6 * (w - 1)) for w in range(1, 9)}})  # a verified draft costs 60 %
+    sure = [[0.9, 0.8, 0.7, 0.6]] * 4
+    planner = depth_planner_module.DepthPlanner(steep, free, 4, probe_interval=1000)
+    assert planner.plan(sure) == 0  # the first plan at a level measures a plain round
+    planner.record_round_time(4, 0, [0] * 4, planner.modelled_seconds(4, 0, [0] * 4), committed=4)
+    assert planner.plan(sure) > 0 and planner.survival_scale == 1.0
+    planner.record_acceptance(sure, [2, 2, 0, 0], [2, 1, 0, 0])  # 3.4 drafts expected: too few to judge
+    assert planner.survival_scale == 1.0 and planner.corrected(sure) == sure
+    for _ in range(5):  # 4 rows verify 4 drafts each (12 expected) and half of what was expected is accepted
+        planner.record_acceptance(sure, [4] * 4, [2, 1, 2, 1])
+    decay = planner.ACCEPTANCE_DECAY
+    got = 3 * decay**5 + sum(6 * decay**k for k in range(5))
+    expected = 3.4 * decay**5 + sum(12 * decay**k for k in range(5))
+    assert planner.survival_scale == pytest.approx(got / expected)
+    assert planner.corrected(sure)[0] == pytest.approx([a * got / expected for a in sure[0]])
+    assert planner.plan(sure) == 0  # at half the promised survival a draft slot no longer pays for its 60 %
+    for _ in range(200):  # nothing accepted, for long: the scale stops at its lower bound
+        planner.record_acceptance(sure, [4] * 4, [0] * 4)
+    assert planner.survival_scale == planner.SURVIVAL_SCALE_BOUNDS[0]
+    timid = [[0.5, 0.25, 0.125, 0.0625]] * 4
+    for _ in range(200):  # everything accepted of drafts that promised little: capped survival, still non-increasing
+        planner.record_acceptance(timid, [4] * 4, [4] * 4)
+    assert planner.survival_scale == planner.SURVIVAL_SCALE_BOUNDS[1]
+    assert planner.corrected(sure) == [[1.0, 1.0, 1.0, 0.6 * 1.5]] * 4
+    for kw in ({"adapt_costs": False}, {"correct_survival": False}):
+        fixed = depth_planner_module.DepthPlanner(steep, free, 4, probe_interval=1000, **kw)
+        for _ in range(5):
+            fixed.record_acceptance(sure, [4] * 4, [0] * 4)
+        assert fixed.survival_scale == 1.0 and fixed.corrected(sure) == sure, kw
+
+
+def test_engine_feeds_the_planner_the_drafts_it_verified(monkeypatch):
+    """The engine reports every verified block's calibrated survival and accepted drafts to its planner: with
+    undecayed sums the scale is exactly accepted over expected, recomputed from the requests' own rounds. The
+    oracle drafter's drafts are all accepted while its confidence promises 0.8 a slot, so the scale rises above 1,
+    and the output is still the target's."""
+    monkeypatch.setattr(depth_planner_module.DepthPlanner, "ACCEPTANCE_DECAY", 1.0)
+    target = bigram_target()
+    drafter = oracle_drafter(target)
+    with torch.no_grad():
+        drafter.confidence_head.proj.weight.zero_()
+        drafter.confidence_head.proj.bias.fill_(math.log(0.8 / 0.2))
+    free = DraftCost.from_dict({4: [0.0] * drafter.config.block_size})
+    engine, outs = run_engine(target, drafter, scheduler="algorithm1", cost_table=PADDED, draft_cost=free)
+    assert outs == [plain_greedy(target, p, 24) for p in prompts(target.config.vocab_size, lengths=(5, 8, 3, 11))]
+    rounds = [x for r in engine.finished.values() for x in r.stats.rounds if x.verified]
+    assert len(rounds) >= 8
+    with torch.no_grad():
+        expected = sum(drafter.survival(torch.tensor([x.confidence_logits])).sum().item() for x in rounds)
+    accepted = sum(x.accepted for x in rounds)
+    assert accepted == sum(x.verified for x in rounds)  # the oracle's drafts
+    assert engine.depth_planner.acceptance_sums == pytest.approx([accepted, expected])
+    high = engine.depth_planner.SURVIVAL_SCALE_BOUNDS[1]
+    assert engine.depth_planner.survival_scale == pytest.approx(min(accepted / expected, high)) and accepted > expected
+
+
 @pytest.mark.parametrize("scheduler", ["fixed", "threshold", "algorithm1+draft cost"])
 def test_hybrid_rows_greedy_equal_plain_and_batched_equals_singleton(scheduler):
     target = tiny_target("qwen3")
