@@ -123,8 +123,10 @@ class DepthPlanner:
     def record_acceptance(self, survival: Sequence[Sequence[float]], lengths: Sequence[int], accepted: Sequence[int]) -> None:
         """Fold a verified round into the acceptance sums: per row, the calibrated (uncorrected) survival of its
         drafted slots, the drafts it verified and how many of those the target accepted."""
+        if not (self.adapt_costs and self.correct_survival):
+            return
         expected = sum(sum(s[:n]) for s, n in zip(survival, lengths))
-        if not (self.adapt_costs and self.correct_survival) or expected <= 0:
+        if expected <= 0:
             return
         got = sum(min(a, n) for a, n in zip(accepted, lengths))
         tokens, predicted = self.acceptance_sums

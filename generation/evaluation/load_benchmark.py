@@ -131,24 +131,25 @@ def run_load(
             kwargs.update(cost_table=verify_cost, draft_cost=draft_cost)
         engine_kwargs[label] = kwargs
     runs = {label: {r: [] for r in concurrency} for label in methods}
+    carried = {label for label, spec in methods.items() if spec.get("warm", True)}  # continue from the last planner
     bar = tqdm(total=len(methods) * len(concurrency) * repeats, desc="load benchmark", disable=not progress)
     for r in concurrency:
         planners = {}  # label -> the planner the next measured engine continues from
         for rep in range(repeats):
             engines, ids = {}, {}
             for label in list(methods) if rep % 2 == 0 else list(methods)[::-1]:
-                kwargs, carry = engine_kwargs[label], methods[label].get("warm", True)
+                kwargs = engine_kwargs[label]
                 if rep == 0:  # a warm-up batch of other prompts: shapes, allocations, and the planner's first looks
                     warm = DSparkEngine(target, drafter, **kwargs)
                     torch.manual_seed(seed + 1)
                     warm.generate(warmup_prompts[:r], max_new_tokens=max(warmup_tokens, 1), temperature=1.0)
                     planners[label] = warm.depth_planner
-                engines[label] = DSparkEngine(target, drafter, **kwargs, depth_planner=planners[label] if carry else None)
+                engines[label] = DSparkEngine(target, drafter, **kwargs, depth_planner=planners[label] if label in carried else None)
                 ids[label] = [engines[label].add_request(p, max_new_tokens=max_new_tokens, temperature=1.0) for p in prompts[:r]]
             torch.manual_seed(seed + rep)
             seconds = _step_in_turn(engines)
             for label, engine in engines.items():
-                if methods[label].get("warm", True):
+                if label in carried:
                     planners[label] = engine.depth_planner
                 outs = [engine.finished[i].output_ids for i in ids[label]]
                 rounds = [x for req in engine.finished.values() for x in req.stats.rounds]

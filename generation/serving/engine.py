@@ -398,31 +398,31 @@ class DSparkEngine:
             return self.block_size
         return self.depth_planner.plan([r.survival_estimate for r in requests])
 
-    def _schedule(self, requests, drafted, depth, confidence_logits, ngram_rows=()) -> list[int]:
-        """Verification lengths of the drafted blocks; rows in ``ngram_rows`` verify their n-gram instead (0 here)."""
+    def _schedule(self, requests, drafted, depth, confidence_logits, ngram_rows=()) -> tuple[list[int], list | None]:
+        """Verification lengths of the drafted blocks, and the calibrated survival they were scheduled on (None for
+        fixed lengths; empty for rows in ``ngram_rows``, which verify their n-gram instead and get 0 here)."""
         if self.scheduler == "fixed":
-            return schedule_fixed([0 if i in ngram_rows else n for i, n in enumerate(drafted)], self.num_verify)
+            return schedule_fixed([0 if i in ngram_rows else n for i, n in enumerate(drafted)], self.num_verify), None
         survival = self._survival(confidence_logits, drafted)
         if self.depth_planner is not None:
             estimates = self.depth_planner.update_estimates([r.survival_estimate for r in requests], survival)
             for r, e in zip(requests, estimates):
                 r.survival_estimate = e
-        survival = [[] if i in ngram_rows else s for i, s in enumerate(survival)]
-        self._round_survival = survival
+        calibrated = survival = [[] if i in ngram_rows else s for i, s in enumerate(survival)]
         if self.depth_planner is not None:
             survival = self.depth_planner.corrected(survival)
         if self.scheduler == "threshold":
-            return schedule_threshold(survival, self.threshold)
+            return schedule_threshold(survival, self.threshold), calibrated
         spent = self.draft_cost.draft_seconds(len(requests), depth) if self.draft_cost is not None else 0.0
         if self.scheduler == "algorithm1":
-            return schedule_algorithm1(survival, self.cost_table, draft_seconds=spent)
+            return schedule_algorithm1(survival, self.cost_table, draft_seconds=spent), calibrated
         # asynchronous: the budget comes from the oldest remembered step (two steps back once warm)
         if self._survival_history:
             capacity = async_capacity(self._survival_history[0], self.cost_table, num_requests=len(requests), draft_seconds=spent)
         else:
             capacity = len(requests)
         self._survival_history.append(survival)
-        return schedule_top_k(survival, capacity)
+        return schedule_top_k(survival, capacity), calibrated
 
     def _ngram_rows(self, requests, remaining, drafted, confidence_logits) -> dict:
         """Rows that verify their prompt-lookup continuation this step: ``{row: NgramProposal}``. The comparison reads
@@ -474,9 +474,8 @@ class DSparkEngine:
             self.depth_planner.drafted(drafts.shape[1])
         if not drafts.shape[1]:
             drafted = [0] * num_rows
-        self._round_survival = None  # this round's calibrated survival, set where it is scheduled
         ngram_rows = self._ngram_rows(requests, remaining, drafted, confidence_logits) if self.ngram_acceptance is not None else {}
-        lengths = self._schedule(requests, drafted, depth, confidence_logits, ngram_rows) if drafts.shape[1] else [0] * num_rows
+        lengths, survival = self._schedule(requests, drafted, depth, confidence_logits, ngram_rows) if drafts.shape[1] else ([0] * num_rows, None)
         if ngram_rows:
             drafts, draft_logits = self._with_ngram_rows(drafts, draft_logits, ngram_rows, lengths)
         longest = max(lengths)
@@ -518,8 +517,8 @@ class DSparkEngine:
                 r.stats.rounds.append(DSparkRound(drafted=drafted[i], verified=lengths[i], accepted=n, confidence_logits=z, proposal=kind))
             self._commit(r, ids_l[i][1 : 1 + n] + [next_l[i]])
         if self.depth_planner is not None:
-            if self._round_survival is not None:  # rows that verified an n-gram have no survival here
-                self.depth_planner.record_acceptance(self._round_survival, lengths, accepted_l)
+            if survival is not None:  # rows that verified an n-gram have no survival here
+                self.depth_planner.record_acceptance(survival, lengths, accepted_l)
             committed = None if ngram_rows else int(sum(accepted_l)) + num_rows  # an n-gram's tokens are not drafting's
             self.depth_planner.record_round_time(num_rows, depth if drafts.shape[1] else 0, lengths, time.perf_counter() - started, committed)
         self.step_log.append({"active": num_rows, "drafted": depth if drafts.shape[1] else 0,
