@@ -163,7 +163,8 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
 
     ``prompt_lookup_num_tokens`` (with ``max_matching_ngram_size``, default 2, as in Transformers) turns on hybrid
     drafting (`generation.decoding.hybrid`): each round verifies either the prompt-lookup continuation or the DSpark block,
-    whichever the same cost tables price higher on what earlier rounds showed; an n-gram round skips the drafter
+    whichever the same cost tables price higher on what earlier rounds showed (the block on the corrected survival,
+    as cost truncation reads it); an n-gram round skips the drafter
     (its context catches up on the next DSpark round). ``drafter.last_stats`` records each round's ``proposal``."""
 
     supports_hybrid = True
@@ -216,7 +217,7 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
         self.survival_estimate: list[float] | None = None  # moving average of the block's survival per slot
         self._unseen_features = None  # target features of tokens the drafter has not read (rounds without drafting)
         self._round_timing = None  # (start, depth) of the round in flight, for the measured-cost ratio (verified: its round)
-        self._round_survival = None  # calibrated survival of the verified drafts of the round in flight (cost truncation)
+        self._round_survival = None  # calibrated survival of the verified drafts of the round in flight (with a planner)
 
     def _propose(self, input_ids: torch.LongTensor, model_outputs) -> tuple[torch.LongTensor, torch.Tensor | None]:
         start = time.perf_counter()
@@ -251,7 +252,7 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
                 input_ids[0], self.hybrid.max_ngram, min(self.hybrid.num_ngram_tokens, room), self.eos_token_ids
             )
             ngram = self.hybrid.ngram_option(proposal)
-            if self.hybrid.skip_drafter(ngram, depth, self.survival_estimate):
+            if self.hybrid.skip_drafter(ngram, depth, self._corrected(self.survival_estimate)):
                 self._keep_unseen(features)
                 if self.depth_planner is not None:
                     self.depth_planner.drafted(0)
@@ -292,7 +293,7 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
         if confidence is not None and confidence.numel() and self._planner is not None:
             survival = self.drafter.survival(confidence).tolist()
         # the choice reads the estimate of earlier rounds, so it is made before this round's survival joins it
-        use_ngram = ngram is not None and self.hybrid.prefer_ngram(ngram, depth, self._choice_survival(survival, depth))
+        use_ngram = ngram is not None and self.hybrid.prefer_ngram(ngram, depth, self._corrected(self._choice_survival(survival, depth)))
         if survival is not None and drafted:
             self.survival_estimate = self._planner.update_estimates([self.survival_estimate], [survival[:drafted]])[0]
         if use_ngram:
@@ -301,6 +302,7 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
             self.hybrid.record_choice("dspark")
         if survival is not None and drafted and self.depth_planner is not None:
             verified = self._cost_cut(survival[:drafted], depth)
+        if survival is not None and verified:  # scored against what the target accepts (DepthPlanner.corrected)
             self._round_survival = survival[:verified]
         self._pending_round = DSparkRound(
             drafted=drafted,
@@ -340,6 +342,11 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
         """A round without a drafter call: its context features wait for the next one."""
         self._unseen_features = features if self._unseen_features is None else torch.cat([self._unseen_features, features], 1)
 
+    def _corrected(self, survival: list[float] | None) -> list[float] | None:
+        """``survival`` scaled by what earlier rounds' verified drafts yielded against it (the planner's
+        `DepthPlanner.corrected`), as cost truncation and the engine read it."""
+        return survival if survival is None else self._planner.corrected([survival])[0]
+
     def _cost_cut(self, survival: list[float], depth: int) -> int:
         """Algorithm 1 on this row's drafted slots (early stop: slot k is cut on survival up to k)."""
         from .scheduler import schedule_algorithm1
@@ -350,7 +357,7 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         round_ = self._pending_round
         if self._round_survival is not None:  # what the verified drafts were expected to yield, against what they did
-            self.depth_planner.record_acceptance([self._round_survival], [round_.verified], [int(num_matches)])
+            self._planner.record_acceptance([self._round_survival], [round_.verified], [int(num_matches)])
             self._round_survival = None
         if self._round_timing is not None:  # the round's wall time: drafting, verification and Transformers' own work
             start, depth = self._round_timing

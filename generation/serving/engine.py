@@ -426,7 +426,8 @@ class DSparkEngine:
 
     def _ngram_rows(self, requests, remaining, drafted, confidence_logits) -> dict:
         """Rows that verify their prompt-lookup continuation this step: ``{row: NgramProposal}``. The comparison reads
-        the n-gram's measured acceptance and, for the block, this step's ``c_1`` (the anchor's) and earlier steps."""
+        the n-gram's measured acceptance and, for the block, this step's ``c_1`` (the anchor's) and earlier steps,
+        corrected as the scheduler corrects survival."""
         first = None
         if confidence_logits is not None and confidence_logits.shape[1]:
             first = self.drafter.calibrated_confidence(confidence_logits[:, :1].float())[:, 0].tolist()
@@ -441,9 +442,12 @@ class DSparkEngine:
                 continue
             expected_ngram = sum(self.ngram_acceptance.survival(proposal.match_length, len(proposal.tokens)))
             if first is not None and drafted[i]:
-                expected_block = sum(anchored_survival(first[i], r.survival_estimate, drafted[i]))
+                block = anchored_survival(first[i], r.survival_estimate, drafted[i])
             else:  # no confidence head, or no block this step: earlier steps' estimate (none: nothing drafted)
-                expected_block = sum((r.survival_estimate or [0.0])[: drafted[i]]) if drafted[i] else 0.0
+                block = (r.survival_estimate or [0.0])[: drafted[i]] if drafted[i] else []
+            if self.depth_planner is not None:  # as the scheduler reads it
+                block = self.depth_planner.corrected([block])[0]
+            expected_block = sum(block)
             if expected_ngram > expected_block:
                 chosen[i] = proposal
         return chosen

@@ -50,6 +50,15 @@ def test_cost_truncation_greedy_equals_target_and_follows_the_draft_cost():
     assert set(costly) == {0, 1} and [i for i, d in enumerate(costly) if d] == [0, 16, 48, 112], costly
 
 
+def verified_block_sums(drafter):
+    """(rounds, accepted drafts, what their calibrated survival expected) over the verified DSpark rounds of the
+    drafter's last generate(): the sums its planner should hold, recomputed from the rounds themselves."""
+    rounds = [r for r in drafter.last_stats.rounds if r.proposal == "dspark" and r.verified]
+    with torch.no_grad():
+        expected = sum(drafter.survival(torch.tensor([r.confidence_logits])).sum().item() for r in rounds)
+    return rounds, sum(min(r.accepted, r.verified) for r in rounds), expected
+
+
 def test_cost_truncation_scales_survival_by_the_accepted_drafts(monkeypatch):
     """generate() reports each verified block's calibrated survival and accepted drafts to its planner (the one the
     drafter keeps for this target): an untrained drafter that promises survival near 1 and is mostly rejected gets
@@ -66,11 +75,8 @@ def test_cost_truncation_scales_survival_by_the_accepted_drafts(monkeypatch):
     out = target.generate(prompt, generation_config=gen, assistant_model=drafter)
     assert torch.equal(out, ref)
     planner, _ = depth_planner.generate_planner(target, drafter, gen)
-    rounds = [r for r in drafter.last_stats.rounds if r.proposal == "dspark" and r.verified]
+    rounds, accepted, expected = verified_block_sums(drafter)
     assert len(rounds) >= 5
-    with torch.no_grad():
-        expected = sum(drafter.survival(torch.tensor([r.confidence_logits])).sum().item() for r in rounds)
-    accepted = sum(min(r.accepted, r.verified) for r in rounds)
     assert planner.acceptance_sums == pytest.approx([accepted, expected])
     assert accepted < 0.5 * expected and planner.survival_scale == pytest.approx(max(accepted / expected, planner.SURVIVAL_SCALE_BOUNDS[0]))
 

@@ -6,7 +6,7 @@ proposal verified, and a choice that reads a confidence of a token sampled in th
 import pytest
 import torch
 from exactness import PROMPT, SAMPLES, chi_square_pvalue, config, exact_distribution, peaked_target
-from test_generate_cost import VERIFY, token_dependent_confidence
+from test_generate_cost import VERIFY, confident, token_dependent_confidence, verified_block_sums
 from tiny_models import tiny_drafter, tiny_target
 from transformers import GenerationConfig
 
@@ -126,6 +126,41 @@ def test_a_choice_reading_this_rounds_sampled_tokens_is_detected(monkeypatch):
     counts, verified, _ = sample_hybrid(target, drafter, gen, samples)
     assert min(verified.values()) >= samples // 10, verified
     assert chi_square_pvalue(counts, exact_distribution(target, top_k=3), samples) < 1e-3
+
+
+def test_hybrid_choice_reads_the_survival_as_corrected(monkeypatch):
+    """Hybrid rounds feed the planner the verified blocks' survival and accepted drafts, and both stages of the
+    choice price the block on the survival scaled by them, as cost truncation does: an untrained drafter that
+    promises survival near 1 is priced at what it yields. The output stays the target's."""
+    from generation.scheduling import depth_planner
+
+    monkeypatch.setattr(depth_planner.DepthPlanner, "ACCEPTANCE_DECAY", 1.0)
+    target = tiny_target()
+    prompt = torch.tensor([[5, 17, 3, 44, 9, 21, 5, 17, 3, 44, 8, 2, 61]])
+    ref = target.generate(prompt, do_sample=False, max_new_tokens=80)
+    drafter = confident(tiny_drafter(target))
+    gen = GenerationConfig(do_sample=False, max_new_tokens=80, **{**hybrid(lookup=4, dspark_truncation="fixed"), "dspark_adapt_costs": True})
+    planner, _ = depth_planner.generate_planner(target, drafter, gen)
+    priced = []
+
+    def spy(method):
+        def wrapper(self, ngram, depth, survival):
+            if survival is not None:
+                priced.append((max(survival), planner.survival_scale))
+            return method(self, ngram, depth, survival)
+
+        return wrapper
+
+    monkeypatch.setattr(HybridChooser, "skip_drafter", spy(HybridChooser.skip_drafter))
+    monkeypatch.setattr(HybridChooser, "prefer_ngram", spy(HybridChooser.prefer_ngram))
+    out = target.generate(prompt, generation_config=gen, assistant_model=drafter)
+    assert torch.equal(out, ref)
+    rounds, accepted, expected = verified_block_sums(drafter)
+    assert len(rounds) >= 2
+    assert planner.acceptance_sums == pytest.approx([accepted, expected])
+    scaled = [(top, scale) for top, scale in priced if scale < 0.9]
+    assert scaled, "the correction never took effect during the choices"
+    assert all(top <= scale + 1e-9 for top, scale in priced)
 
 
 def test_hybrid_settings_are_checked():

@@ -568,6 +568,25 @@ def test_hybrid_rows_sampling_matches_target():
     assert chi_square_pvalue(counts, exact_distribution(target), sum(counts.values())) > 1e-3
 
 
+def test_hybrid_rows_price_the_block_on_the_corrected_survival():
+    """The engine's n-gram-or-block choice reads the block's survival scaled as the scheduler scales it: a block of
+    2 slots at survival 1 beats a prompt-lookup continuation worth about one token, the same block at a quarter of
+    its promised survival does not."""
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    engine = DSparkEngine(target, drafter, prompt_lookup_num_tokens=6, **SETTINGS["algorithm1+draft cost"])
+    engine.add_request(prompts(96, lengths=(4,))[0] * 3, max_new_tokens=20)
+    engine.step()
+    request = engine.active[0]
+    request.output_ids = request.output_ids + request.prompt_ids[:2]  # the choice reads only the text: now it repeats
+    request.survival_estimate = [1.0] * drafter.config.block_size
+    sure = torch.full((1, 2), 20.0)  # c_1 = 1 after any calibration
+    assert engine._ngram_rows([request], [10], [2], sure) == {}
+    engine.depth_planner.acceptance_sums = [10.0, 40.0]  # a quarter of what the survival promised was accepted
+    assert engine.depth_planner.survival_scale == pytest.approx(0.25)
+    assert list(engine._ngram_rows([request], [10], [2], sure)) == [0]
+
+
 def test_hybrid_engine_settings_are_checked():
     target = tiny_target()
     with pytest.raises(ValueError, match="needs a drafter"):
