@@ -101,6 +101,7 @@ WORKFLOW = {
     "train": ("modeling_dspark.training.train", "train a DSpark, DFlash or Eagle3 drafter (resumable)"),
     "bench-train": ("modeling_dspark.training.bench_train", "training speed (predicted positions / s) of the default recipe against the first shipped one"),
     "calibrate": ("modeling_dspark.training.calibration", "Sequential Temperature Scaling of a drafter's confidence head"),
+    "expected-tau": ("modeling_dspark.training.expected_tau", "teacher-forced expected tau of a drafter on any response files, per domain"),
     "adapt": ("modeling_dspark.training.adapt", "LoRA-adapt a trained drafter to a new domain with PEFT"),
     "eval": ("generation.evaluation.harness", "the paper's tau evaluation on the nine benchmarks, tables and plots"),
     "bench": ("generation.evaluation.speed", "wall-clock speed at batch size 1 against plain generate() and prompt lookup"),

@@ -1,8 +1,9 @@
 """Self-distilled training data (SPEC section 7): the target regenerates its own responses to the training
 prompts, so the drafter learns the distribution it will be verified against.
 
-``regenerate_responses`` samples with the target's recommended settings, batched on the CPU, appending one
-JSON line per prompt to a cache file and skipping ids already there (so an interrupted run resumes).
+``regenerate_responses`` samples with the target's recommended settings (the command's ``--temperature`` /
+``--top-p`` override them: a T = 1 evaluation decodes other text than T = 0.2 writes), batched on the CPU, appending
+one JSON line per prompt to a cache file and skipping ids already there (so an interrupted run resumes).
 ``build_dataset`` turns the cache into a ``datasets.Dataset`` of ``input_ids`` and a ``loss_mask`` that covers
 the response tokens (the assistant turn's content and its end-of-turn token).
 
@@ -279,10 +280,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--domains", nargs="+", default=["math", "code", "chat"])
     parser.add_argument("--exclude", nargs="*", default=[], help="response files whose prompt ids are skipped (fresh data)")
     parser.add_argument(
+        "--held-out-of", nargs="+", default=None, metavar="FILE",
+        help="only the prompts of the held-out split of these response files (as training splits them), e.g. to "
+        "regenerate the held-out text at another temperature; --num-prompts of them, balanced over --domains",
+    )  # fmt: skip
+    parser.add_argument(
+        "--temperature", type=float, default=None,
+        help="sampling temperature instead of the target's recommended one (e.g. 1.0: the text a T = 1 evaluation decodes)",
+    )  # fmt: skip
+    parser.add_argument("--top-p", type=float, default=None, help="top-p instead of the target's recommended one")
+    parser.add_argument(
         "--compact", action="store_true",
         help="only rewrite --out as one gzip member (smaller; what to commit after runs that were stopped and resumed)",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    sampling = dict(SAMPLING[args.target])
+    if args.temperature is not None:
+        if args.temperature <= 0:
+            raise SystemExit(f"--temperature must be > 0 (the responses are sampled), got {args.temperature}")
+        sampling["temperature"] = args.temperature
+    if args.top_p is not None:
+        if not 0 < args.top_p <= 1:
+            raise SystemExit(f"--top-p must be in (0, 1], got {args.top_p}")
+        sampling["top_p"] = args.top_p
+    if args.held_out_of:
+        missing = [path for path in args.held_out_of if not Path(path).is_file()]
+        if missing:
+            raise SystemExit(f"--held-out-of: no such file: {', '.join(missing)}")
     if args.compact:
         rows = read_responses(args.out)
         write_responses(args.out, rows)
@@ -292,10 +316,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     target, tokenizer = load_target(args.target)
     excluded = {row["id"] for path in args.exclude for row in read_responses(path)}
-    prompts = load_prompts(args.train_dir, num_prompts=args.num_prompts + len(excluded), seed=args.seed, domains=tuple(args.domains))
-    prompts = [p for p in prompts if p["id"] not in excluded][: args.num_prompts]
+    if args.held_out_of:
+        held = {row["id"] for row in split_holdout([row for path in args.held_out_of for row in read_responses(path)])[1]}
+        every = load_prompts(args.train_dir, num_prompts=sys.maxsize, seed=args.seed, domains=tuple(args.domains))  # shuffled
+        pool = [p for p in every if p["id"] in held and p["id"] not in excluded]
+        per_domain = -(-args.num_prompts // len(args.domains))
+        prompts = [p for d in args.domains for p in [q for q in pool if q["domain"] == d][:per_domain]][: args.num_prompts]
+    else:
+        prompts = load_prompts(args.train_dir, num_prompts=args.num_prompts + len(excluded), seed=args.seed, domains=tuple(args.domains))
+        prompts = [p for p in prompts if p["id"] not in excluded][: args.num_prompts]
     n = regenerate_responses(
-        target, tokenizer, prompts, args.out, sampling=SAMPLING[args.target], batch_size=args.batch_size,
+        target, tokenizer, prompts, args.out, sampling=sampling, batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens, seed=args.seed, backend=args.backend,
     )  # fmt: skip
     print(f"{n} new responses; {len(read_responses(args.out))} in {args.out}")

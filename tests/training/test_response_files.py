@@ -50,3 +50,49 @@ def test_a_truncated_last_member_and_plain_jsonl(tmp_path):
     plain.write_text(json.dumps(row(0)) + "\n" + json.dumps(row(1))[:30])
     assert _read_response_lines(plain) == ([row(0)], False)
     assert read_responses(tmp_path / "missing.jsonl.gz") == []
+
+
+def test_the_data_command_samples_at_the_temperature_asked_and_refuses_a_bad_one(tmp_path, monkeypatch):
+    import pytest
+
+    import modeling_dspark
+    from modeling_dspark.training import data
+
+    out = str(tmp_path / "r.jsonl.gz")
+    for flag, value in (("--temperature", "0"), ("--top-p", "1.5")):
+        with pytest.raises(SystemExit, match=flag):
+            data.main(["--out", out, flag, value])  # before the target is loaded
+    used = {}
+    monkeypatch.setattr(modeling_dspark, "load_target", lambda name: (None, None))
+    monkeypatch.setattr(data, "load_prompts", lambda *a, **k: [])
+    monkeypatch.setattr(data, "regenerate_responses", lambda *a, sampling, **k: used.update(sampling) or 0)
+    data.main(["--out", out, "--temperature", "1.0", "--top-p", "1.0"])
+    assert used == {**data.SAMPLING["smollm2-135m-instruct"], "temperature": 1.0, "top_p": 1.0}
+    data.main(["--out", out])
+    assert used == data.SAMPLING["smollm2-135m-instruct"]
+
+
+def test_the_data_command_can_regenerate_the_held_out_prompts_only(tmp_path, monkeypatch):
+    import pytest
+
+    import modeling_dspark
+    from modeling_dspark.training import data
+
+    rows = [{"id": f"p{i}", "domain": "math", "prompt_ids": [1], "response_ids": [2, 3]} for i in range(400)]
+    source = tmp_path / "train.jsonl.gz"
+    write_responses(source, rows)
+    held = {row["id"] for row in data.split_holdout(rows)[1]}
+    assert 5 <= len(held) < 60
+    out = str(tmp_path / "r.jsonl.gz")
+    with pytest.raises(SystemExit, match="--held-out-of: no such file"):
+        data.main(["--out", out, "--held-out-of", str(tmp_path / "missing.jsonl")])
+    asked = []
+    monkeypatch.setattr(modeling_dspark, "load_target", lambda name: (None, None))
+    every = [{"id": f"p{i}", "prompt": "q", "domain": "math"} for i in range(500)]
+    monkeypatch.setattr(data, "load_prompts", lambda *a, **k: every)
+    monkeypatch.setattr(data, "regenerate_responses", lambda target, tok, prompts, *a, **k: asked.extend(p["id"] for p in prompts) or 0)
+    data.main(["--out", out, "--held-out-of", str(source), "--domains", "math", "--num-prompts", "1000"])
+    assert set(asked) == held and len(asked) == len(held)
+    asked.clear()
+    data.main(["--out", out, "--held-out-of", str(source), "--domains", "math", "--num-prompts", "3"])
+    assert len(asked) == 3 and set(asked) <= held
