@@ -352,7 +352,7 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
         from .scheduler import schedule_algorithm1
 
         spent = self.depth_planner.draft_cost.draft_seconds(1, depth)
-        return schedule_algorithm1(self.depth_planner.corrected([survival]), self.cost_table, draft_seconds=spent)[0]
+        return schedule_algorithm1([self._corrected(survival)], self.cost_table, draft_seconds=spent)[0]
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         round_ = self._pending_round
