@@ -26,13 +26,18 @@ from modeling_dspark.provenance import command_line
 from modeling_dspark.targets import add_target_arguments
 from modeling_dspark.training.data import build_dataset, read_responses, split_holdout
 
-__all__ = ["main"]
+__all__ = ["main", "training_mixture"]
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_arguments(p, dtype=False)
     p.add_argument("--data", required=True, nargs="+", help="regenerated responses (JSONL, optionally .gz; several files are joined)")
+    p.add_argument(
+        "--repeat", type=int, nargs="+", default=None, metavar="N",
+        help="times each --data file's training responses enter the training set, one N per file (default 1 each): "
+        "the mixture weight of a small file, e.g. responses sampled at another temperature",
+    )  # fmt: skip
     p.add_argument("--output-dir", required=True, help="Trainer checkpoints (resumed from when present)")
     p.add_argument("--export", default=None, help="where to save the final drafter (bf16 save_pretrained folder)")
     p.add_argument("--max-steps", type=int, default=600)
@@ -76,6 +81,16 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def training_mixture(files: list[list[dict]], repeat: list[int]) -> tuple[list[dict], list[dict], int]:
+    """(training rows, held-out rows, distinct training prompts) of several response files: each file's training rows
+    ``repeat[i]`` times, its held-out rows once. The split hashes each id, so splitting per file equals splitting the
+    joined files, and a repeated file never leaks a held-out prompt into training."""
+    splits = [split_holdout(rows) for rows in files]
+    train_rows = [row for (train, _), times in zip(splits, repeat, strict=True) for _ in range(times) for row in train]
+    held_out = [row for _, held in splits for row in held]
+    return train_rows, held_out, sum(len(train) for train, _ in splits)
+
+
 def response_draft_vocab(rows: list[dict], tokenizer, size: int) -> torch.LongTensor:
     """The draft vocabulary for a recipe: the ``size`` most frequent response tokens of ``rows``, with EOS and the
     tokenizer's special tokens (the chat template's end-of-turn among them) always in."""
@@ -98,14 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     from modeling_dspark.targets import resolve_dtype
     from modeling_dspark.training.trainer import DSparkCollator, DSparkTrainer, DSparkTrainingArguments
 
-    args = build_arg_parser().parse_args(argv)
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
+    repeat = args.repeat or [1] * len(args.data)
+    if len(repeat) != len(args.data) or min(repeat) < 1:
+        parser.error(f"--repeat needs one count of at least 1 per --data file ({len(args.data)} files), got {args.repeat}")
     torch.manual_seed(args.seed)
     target_dtype = resolve_dtype(args.target_dtype)
     target, tokenizer = load_target(args.target, dtype=target_dtype)
-    rows = [row for path in args.data for row in read_responses(path)]
-    if not rows:
+    train_rows, held_out, train_prompts = training_mixture([read_responses(path) for path in args.data], repeat)
+    if not train_rows and not held_out:
         raise SystemExit(f"no regenerated responses in {args.data}; run python -m modeling_dspark.training.data first")
-    train_rows, held_out = split_holdout(rows)
     dataset = build_dataset(train_rows, max_length=args.max_length)
     markov = None if args.markov_head == "none" else args.markov_head
     vocab = {}
@@ -193,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         budget = {
             "target": args.target,
             "data": [str(d) for d in args.data],
-            "train_prompts": len(train_rows),
+            "train_prompts": train_prompts,
             "held_out_prompts": len(held_out),
             "train_sequences": len(dataset),
             "train_response_tokens": int(sum(sum(m) for m in dataset["loss_mask"])),

@@ -96,3 +96,30 @@ def test_the_data_command_can_regenerate_the_held_out_prompts_only(tmp_path, mon
     asked.clear()
     data.main(["--out", out, "--held-out-of", str(source), "--domains", "math", "--num-prompts", "3"])
     assert len(asked) == 3 and set(asked) <= held
+
+
+def test_the_training_mixture_repeats_a_file_without_leaking_its_held_out_prompts(tmp_path, monkeypatch):
+    import pytest
+
+    import modeling_dspark
+    from modeling_dspark.training import train
+    from modeling_dspark.training.data import split_holdout
+
+    big = [row(i) for i in range(300)]
+    small = [{**row(i), "id": f"t1-{i}"} for i in range(200)]
+    train_rows, held_out, prompts = train.training_mixture([big, small], [1, 3])
+    joined_train, joined_held = split_holdout(big + small)
+    assert held_out == joined_held and joined_held  # per-file splitting is the joined split
+    assert prompts == len(joined_train)
+    counts = {}
+    for r in train_rows:
+        counts[r["id"]] = counts.get(r["id"], 0) + 1
+    assert {counts[r["id"]] for r in joined_train if r in big} == {1}
+    assert {counts[r["id"]] for r in joined_train if r in small} == {3}
+    assert not {r["id"] for r in held_out} & counts.keys()
+
+    # a count per file, each at least 1, is checked before the target loads
+    monkeypatch.setattr(modeling_dspark, "load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    for bad in (["1"], ["1", "0"], ["1", "2", "3"]):
+        with pytest.raises(SystemExit):
+            train.main(["--data", "a.jsonl", "b.jsonl", "--repeat", *bad, "--output-dir", str(tmp_path)])

@@ -1,0 +1,227 @@
+"""How many slots to draft, decided before drafting, from what earlier rounds showed.
+
+`DepthPlanner` is shared by the batched engine (R rows per step) and by ``generate(assistant_model=...)`` with
+``dspark_truncation="cost"`` (one row). It keeps a moving average of each row's calibrated survival per slot,
+plans the depth D that maximises ``Theta = tau / (T_draft(R, D) + T_verify)`` on those estimates
+(`scheduler.plan_draft_depth`, D = 0 skips the drafter), and corrects the cost tables online: every round's wall
+time is divided by what the tables predict, per (load level, depth). Last, it checks the plan against the outcome:
+where the rounds that drafted have committed fewer tokens per second than the plain rounds at the same load
+level, over enough rounds of each to tell, it does not draft (:meth:`DepthPlanner.drafting_trails`). A depth
+chosen before anything is drafted cannot depend on the drafts, so the plan is lossless whatever it reads from the
+past.
+
+The calibrated survival is a model too: calibration fits one decoding mode's confidences on one set of prompts,
+and a server's requests differ (sampling at T = 1 accepts less than the confidence head learnt from greedy-heavy
+data, for example). The planner therefore compares what the verified drafts of earlier rounds were expected to
+yield, the sum of their survival, with what they did yield, and scales every survival it plans with, and the
+engine schedules with, by that ratio (:meth:`DepthPlanner.corrected`): one number from past rounds, the same for
+every slot, so an admission still depends only on survival up to the slot admitted. ``correct_survival=False``
+turns this correction off, ``adapt_costs=False`` turns it off with that of the tables.
+
+Probes keep the estimates fresh: with no estimate yet, or after ``probe_interval - 1`` rounds without drafting,
+one slot is drafted; a plain round is taken first at each load level and every ``probe_interval`` planned rounds,
+so the point the plan compares with is measured too. A probe after which the tables still skip the drafter doubles
+the wait for the next one (up to ``8 * probe_interval``), so a machine where drafting cannot pay spends little on
+looking; the first plan that drafts again resets it. A plan dropped by the throughput check keeps probing at
+``probe_interval``: that check rests on noisy token counts, and only drafted rounds can overturn it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+from .scheduler import DraftCost, plan_draft_depth
+
+__all__ = ["DepthPlanner", "blend_survival", "generate_planner"]
+
+# drafter -> target -> planners of generate(assistant_model=...) calls, dropped with the models
+_GENERATE_PLANNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def blend_survival(old: list[float] | None, new: Sequence[float], depth: int) -> list[float]:
+    """Moving average (weight 1/2) of a survival curve over ``depth`` slots, kept non-increasing; slots beyond
+    the observed ones keep their old estimate, or the last observed value when there is none (optimistic, so
+    deeper drafting gets tried when it may pay)."""
+    merged = list(new) + (old[len(new) :] if old else [new[-1]] * (depth - len(new)))
+    if old:
+        merged = [0.5 * a + 0.5 * b for a, b in zip(old, merged[: len(new)])] + merged[len(new) :]
+    return [min(merged[: k + 1]) for k in range(len(merged))]
+
+
+class DepthPlanner:
+    def __init__(
+        self, cost_table, draft_cost: DraftCost, block_size: int, *, probe_interval: int = 16, adapt_costs: bool = True,
+        correct_survival: bool = True,
+    ):
+        if not isinstance(draft_cost, DraftCost):
+            raise ValueError(f"draft_cost must be a DraftCost, got {type(draft_cost).__name__}")
+        if draft_cost.max_depth < block_size:
+            raise ValueError(f"draft_cost covers {draft_cost.max_depth} slots, the drafter drafts {block_size}")
+        if probe_interval < 1:
+            raise ValueError(f"probe_interval must be >= 1, got {probe_interval}")
+        self.cost_table, self.draft_cost, self.block_size = cost_table, draft_cost, block_size
+        self.probe_interval, self.adapt_costs, self.correct_survival = probe_interval, adapt_costs, correct_survival
+        self.probe_wait = probe_interval  # rounds between one-slot probes while the plan skips the drafter
+        self._probed = False  # the last round was such a probe
+        self.mean_survival: list[float] | None = None  # over every drafted row, for rows not drafted yet
+        self.rounds_since_draft = 0
+        self.planned_rounds = 0
+        self.cost_ratio: dict[tuple[int, int], float] = {}  # (load level, depth) -> measured / modelled time
+        # (load level, drafted) -> [committed tokens, seconds, rounds]; tokens and seconds decay per round
+        self.throughput_sums: dict[tuple[int, bool], list[float]] = {}
+        self.models: tuple | None = None  # set by the engine that made it: what its measurements are of
+        self.acceptance_sums = [0.0, 0.0]  # accepted drafts, their expectation under the calibrated survival (decayed)
+
+    def plan(self, estimates: Sequence[list[float] | None]) -> int:
+        """Slots to draft this round for rows with these survival estimates (None: nothing seen for that row)."""
+        estimates = [e or self.mean_survival for e in estimates]
+        if any(e is None for e in estimates):
+            return 1  # nothing known yet: one slot is the cheapest look
+        estimates = self.corrected(estimates)
+        if self.rounds_since_draft + 1 >= self.probe_wait:
+            self._probed = True
+            return 1  # time to refresh what is known
+        level = self.load_level(len(estimates))
+        self.planned_rounds += 1
+        if self.adapt_costs and ((level, 0) not in self.cost_ratio or self.planned_rounds % self.probe_interval == 0):
+            return 0  # measure a plain round at this load, and re-measure it now and then
+        depth = plan_draft_depth(
+            estimates, self.cost_table, self.draft_cost, self.block_size, cost_scale=lambda d: self.scale(level, d)
+        )
+        if depth > 0:
+            self.probe_wait = self.probe_interval
+            if self.drafting_trails(level):
+                depth = 0
+        elif self._probed:  # the look did not change the plan: look less often
+            self.probe_wait = min(2 * self.probe_wait, 8 * self.probe_interval)
+        self._probed = False
+        return depth
+
+    def drafted(self, depth: int) -> None:
+        """Count the round: whether the drafter ran decides when the next probe is due."""
+        self.rounds_since_draft = 0 if depth > 0 else self.rounds_since_draft + 1
+
+    def update_estimates(self, estimates: Sequence[list[float] | None], survival: Sequence[Sequence[float]]) -> list:
+        """New per-row estimates after a drafted round (rows with no drafted slot keep theirs); also folds the
+        rows' mean into ``mean_survival``."""
+        updated = [blend_survival(e, s, self.block_size) if s else e for e, s in zip(estimates, survival)]
+        observed = [s for s in survival if s]
+        if observed:
+            depth = min(len(s) for s in observed)
+            mean = [sum(s[k] for s in observed) / len(observed) for k in range(depth)]
+            self.mean_survival = blend_survival(self.mean_survival, mean, self.block_size)
+        return updated
+
+    # decay per drafted round of the acceptance sums (a window of about 30 rounds), and the accepted drafts the
+    # calibrated survival must have predicted before its correction is trusted; the bounds keep one odd stretch
+    # of requests from switching drafting off or on outright
+    ACCEPTANCE_DECAY = 0.97
+    ACCEPTANCE_EVIDENCE = 8.0
+    SURVIVAL_SCALE_BOUNDS = (0.25, 1.5)
+
+    def record_acceptance(self, survival: Sequence[Sequence[float]], lengths: Sequence[int], accepted: Sequence[int]) -> None:
+        """Fold a verified round into the acceptance sums: per row, the calibrated (uncorrected) survival of its
+        drafted slots, the drafts it verified and how many of those the target accepted."""
+        if not (self.adapt_costs and self.correct_survival):
+            return
+        expected = sum(sum(s[:n]) for s, n in zip(survival, lengths))
+        if expected <= 0:
+            return
+        got = sum(min(a, n) for a, n in zip(accepted, lengths))
+        tokens, predicted = self.acceptance_sums
+        decay = self.ACCEPTANCE_DECAY
+        self.acceptance_sums = [decay * tokens + got, decay * predicted + expected]
+
+    @property
+    def survival_scale(self) -> float:
+        """Accepted drafts over the calibrated survival's expectation of them, in recent verified rounds (1 until
+        :attr:`ACCEPTANCE_EVIDENCE` accepted drafts were expected)."""
+        tokens, predicted = self.acceptance_sums
+        if predicted < self.ACCEPTANCE_EVIDENCE:
+            return 1.0
+        low, high = self.SURVIVAL_SCALE_BOUNDS
+        return min(max(tokens / predicted, low), high)
+
+    def corrected(self, survival: Sequence[Sequence[float]]) -> list[list[float]]:
+        """Survival curves scaled by :attr:`survival_scale` (capped at 1, so still non-increasing)."""
+        scale = self.survival_scale
+        return [[min(1.0, scale * a) for a in s] for s in survival]
+
+    # decay per round of the throughput sums (a window of about 20 rounds), and the rounds each side needs before
+    # the check may drop a plan: a drafted round commits 1 to D + 1 tokens per row, so a few rounds cannot tell
+    # a 20 % gain from a loss; a plain round commits one per row, and its time varies little
+    THROUGHPUT_DECAY = 0.95
+    EVIDENCE_ROUNDS = {True: 12, False: 2}
+
+    def throughput(self, level: int, drafted: bool) -> float | None:
+        """Committed tokens per second of this load level's drafted or plain rounds (decayed sums), None until
+        :attr:`EVIDENCE_ROUNDS` rounds are measured."""
+        sums = self.throughput_sums.get((level, drafted))
+        if sums is None or sums[2] < self.EVIDENCE_ROUNDS[drafted]:
+            return None
+        return sums[0] / sums[1]
+
+    def drafting_trails(self, level: int) -> bool:
+        """Whether the rounds that drafted at this load level committed fewer tokens per second than the plain ones:
+        the tables and survival estimates are models, and a plan they favour is dropped when it is losing in fact.
+        Probes keep measuring the drafted side."""
+        drafted, plain = self.throughput(level, True), self.throughput(level, False)
+        return self.adapt_costs and drafted is not None and plain is not None and drafted < plain
+
+    @staticmethod
+    def load_level(num_rows: int) -> int:
+        return 1 << (num_rows - 1).bit_length()  # 1, 2, 4, 8, ...: rows whose costs behave alike
+
+    def scale(self, level: int, depth: int) -> float:
+        if (level, depth) in self.cost_ratio:
+            return self.cost_ratio[level, depth]
+        known = [r for (lv, _), r in self.cost_ratio.items() if lv == level]
+        return sum(known) / len(known) if known else 1.0
+
+    def modelled_seconds(self, num_rows: int, depth: int, lengths: Sequence[int]) -> float:
+        width = 1 + max(lengths, default=0)
+        verify = self.cost_table.step_seconds(num_rows, num_rows + sum(lengths), width)
+        return self.draft_cost.draft_seconds(num_rows, depth) + verify
+
+    def record_round_time(
+        self, num_rows: int, depth: int, lengths: Sequence[int], seconds: float, committed: int | None = None
+    ) -> None:
+        """Fold a measured round time into the (load level, depth) ratio of measured to modelled time and, given the
+        tokens the round ``committed`` (None for a round that verified something else, an n-gram), into the
+        level's throughput sums of drafted or plain rounds: a ratio of sums, since a mean of per-round rates
+        overweights the rounds that happened to commit much in little time."""
+        if not self.adapt_costs or seconds <= 0:
+            return
+        level = self.load_level(num_rows)
+        key = (level, depth)
+        ratio = seconds / self.modelled_seconds(num_rows, depth, lengths)
+        self.cost_ratio[key] = ratio if key not in self.cost_ratio else 0.7 * self.cost_ratio[key] + 0.3 * ratio
+        if committed is not None:
+            tokens, total, rounds = self.throughput_sums.get((level, depth > 0), (0.0, 0.0, 0))
+            decay = self.THROUGHPUT_DECAY
+            self.throughput_sums[level, depth > 0] = [decay * tokens + committed, decay * total + seconds, rounds + 1]
+
+
+def generate_planner(target, drafter, generation_config=None) -> tuple:
+    """``(planner, cost_table)`` for ``generate(assistant_model=drafter)`` with ``dspark_truncation="cost"``: one
+    row, the tables from ``generation_config.dspark_cost_table`` / ``dspark_draft_cost`` or profiled on these
+    models (once per machine, cached on disk); ``dspark_adapt_costs=False`` keeps them uncorrected. The planner lives on the drafter per target and dtype, so what one
+    call learns about the real round times (and the drafter's survival) carries over to the next call."""
+    cost_table = getattr(generation_config, "dspark_cost_table", None)
+    draft_cost = getattr(generation_config, "dspark_draft_cost", None)
+    adapt = bool(getattr(generation_config, "dspark_adapt_costs", True))
+    block = drafter.config.block_size
+    lookup = getattr(generation_config, "prompt_lookup_num_tokens", None) or 0  # hybrid rounds verify up to this many
+    max_width = max(block, int(lookup)) + 1
+    key = (target.dtype, block, max_width, cost_table, draft_cost, adapt)  # frozen tables: equal by value across calls
+    planners = _GENERATE_PLANNERS.setdefault(drafter, weakref.WeakKeyDictionary()).setdefault(target, {})
+    if key not in planners:
+        if cost_table is None or draft_cost is None:
+            from .profiler import profile_draft_cost, profile_verify_cost
+
+            # generate()'s verify forward gets Transformers' 2-D mask
+            cost_table = cost_table or profile_verify_cost(target, rows=(1,), max_width=max_width, four_d_mask=False)
+            draft_cost = draft_cost or profile_draft_cost(target, drafter, rows=(1,))
+        planners[key] = (DepthPlanner(cost_table, draft_cost, block, adapt_costs=adapt), cost_table)
+    return planners[key]
