@@ -5,6 +5,7 @@ speed-up over plain ``generate()`` in the same dtype; the other sub-commands run
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -75,7 +76,8 @@ def cmd_generate(args) -> int:
     text = tokenizer.decode(ds_out[0, input_ids.shape[1] :], skip_special_tokens=True)
     plain_tps, ds_tps = n_plain / plain_s, n_ds / ds_s
     print(f"drafter: {source}")
-    print(f"dtype: {dtype_name}{why}")
+    mkl = f"; MKL_CBWR={os.environ['MKL_CBWR']} (modeling_dspark.cpu_blas)" if os.environ.get("MKL_CBWR") else ""
+    print(f"dtype: {dtype_name}{why}{mkl}")
     print(f"prompt: {args.prompt}\n")
     print(text.strip() + "\n")
     print(f"tau (tokens per target forward, bonus included): {stats.tau:.2f} over {stats.num_rounds} rounds")

@@ -6,7 +6,11 @@ Importing this package registers ``model_type="dspark"`` and ``"eagle3_drafter"`
 ``target.generate(assistant_model=drafter)`` to DSpark drafting (``generation.decoding.hooks``).
 """
 
-from transformers import AutoConfig, AutoModel
+from .cpu_blas import prefer_mkl_small_row_path
+
+prefer_mkl_small_row_path()  # before the process's first matrix product: MKL reads it once (see cpu_blas)
+
+from transformers import AutoConfig, AutoModel  # noqa: E402
 
 from .checkpoint.confidence_head import DSparkConfidenceHead, calibrated_confidence, prefix_survival
 from .checkpoint.config import DSparkConfig

@@ -22,7 +22,10 @@ Probes keep the estimates fresh: with no estimate yet, or after ``probe_interval
 one slot is drafted; a plain round is taken first at each load level and every ``probe_interval`` planned rounds,
 so the point the plan compares with is measured too. A probe after which the tables still skip the drafter doubles
 the wait for the next one (up to ``8 * probe_interval``), so a machine where drafting cannot pay spends little on
-looking; the first plan that drafts again resets it. A plan dropped by the throughput check keeps probing at
+looking; the first plan that drafts again resets it. Whatever the wait, probes take at most ``PROBE_BUDGET`` of the
+time: a probe that costs p plain rounds more than a plain one comes at least p / ``PROBE_BUDGET`` rounds after the
+drafter last ran (:meth:`DepthPlanner.probe_price`), which under load, where a probe widens every row's verification,
+is the longer wait. A plan dropped by the throughput check keeps probing at
 ``probe_interval``: that check rests on noisy token counts, and only drafted rounds can overturn it.
 """
 
@@ -79,7 +82,7 @@ class DepthPlanner:
         if any(e is None for e in estimates):
             return 1  # nothing known yet: one slot is the cheapest look
         estimates = self.corrected(estimates)
-        if self.rounds_since_draft + 1 >= self.probe_wait:
+        if self.rounds_since_draft + 1 >= max(self.probe_wait, self.probe_price(len(estimates)) / self.PROBE_BUDGET):
             self._probed = True
             return 1  # time to refresh what is known
         level = self.load_level(len(estimates))
@@ -97,6 +100,19 @@ class DepthPlanner:
             self.probe_wait = min(2 * self.probe_wait, 8 * self.probe_interval)
         self._probed = False
         return depth
+
+    # share of the time that probes may take while the plan skips the drafter: a probe costing p plain rounds more
+    # than a plain round waits at least p / PROBE_BUDGET rounds after the drafter last ran
+    PROBE_BUDGET = 0.02
+
+    def probe_price(self, num_rows: int) -> float:
+        """What a one-slot probe of ``num_rows`` rows costs beyond a plain round, in plain rounds: the tables,
+        scaled by the measured round times of this load level (so a probe that first reads every position the
+        drafter missed during a plain stretch is priced as it ran)."""
+        level = self.load_level(num_rows)
+        plain = self.modelled_seconds(num_rows, 0, [0] * num_rows) * self.scale(level, 0)
+        probe = self.modelled_seconds(num_rows, 1, [1] * num_rows) * self.scale(level, 1)
+        return max(0.0, probe / plain - 1.0)
 
     def drafted(self, depth: int) -> None:
         """Count the round: whether the drafter ran decides when the next probe is due."""

@@ -1,5 +1,5 @@
-"""Cost tables measured on the real models, cached on disk keyed by model, dtype, device, threads, context
-length and code (:func:`code_key`; ``~/.cache/dspark/sps``, ``DSPARK_CACHE`` moves it), so an engine start
+"""Cost tables measured on the real models, cached on disk keyed by model, dtype, device, threads, MKL's path
+(``MKL_CBWR``, see ``modeling_dspark.cpu_blas``), context length and code (:func:`code_key`; ``~/.cache/dspark/sps``, ``DSPARK_CACHE`` moves it), so an engine start
 re-profiles only on a new machine, model or code (this module's included). Every point is the median of ``repeats``
 timed runs after one warm-up, and the points of a table are timed in turns (every point once, then again), so a burst
 of load on a shared machine slows all of them alike instead of one.
@@ -87,6 +87,8 @@ def cost_table_path(target, context_length: int, kind: str = "sps", drafter=None
     cfg = target.config.get_text_config()
     device = str(target.device) if target.device.type != "cuda" else torch.cuda.get_device_name(target.device)
     key = f"{model_key(target)}|{device}|{torch.get_num_threads()}|ctx{context_length}|{code_key(drafter)}"
+    if target.device.type == "cpu":  # MKL's path for few-row products sets the verification's price (cpu_blas)
+        key += f"|MKL_CBWR={os.environ.get('MKL_CBWR')}"
     if drafter is not None:
         key += "|" + model_key(drafter)
     prefix = cfg.model_type if kind == "sps" else f"{cfg.model_type}-{kind}"

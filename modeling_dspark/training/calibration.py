@@ -191,6 +191,19 @@ def plot_reliability(rounds: CalibrationRounds, temperature_sets: dict[str, list
     plt.close(fig)
 
 
+def write_confidence_temperatures(folder, temperatures: list[float]) -> None:
+    """Store fitted STS temperatures in ``folder``'s config, leaving its weights and their dtype as saved.
+
+    Calibration runs the drafter in the target's dtype (fp32 where the CPU lacks fast bf16); saving that model
+    would rewrite a bf16 checkpoint's weights in fp32."""
+    from modeling_dspark import DSparkConfig
+
+    config = DSparkConfig.from_pretrained(folder)
+    config.confidence_temperatures = [float(t) for t in temperatures]
+    config.validate_dspark()
+    config.save_pretrained(folder)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Calibrate a drafter folder in place on the held-out split of the regenerated data.
 
@@ -233,8 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "before_fit_split": calibration_metrics(fit_rounds, ones),
         "after_fit_split": calibration_metrics(fit_rounds, temps),
     }
-    drafter.config.confidence_temperatures = temps
-    drafter.save_pretrained(folder)
+    write_confidence_temperatures(folder, temps)
     (folder / "calibration.json").write_text(json.dumps(result, indent=2) + "\n")
     plot_reliability(report_rounds, {"raw": ones, "STS": temps}, folder / "reliability.png")
     b, a = result["before"], result["after"]

@@ -84,3 +84,35 @@ def test_target_cache_lock_excludes_other_processes(tmp_path):
     with _cache_lock(lock):
         assert subprocess.run([sys.executable, "-c", probe, str(lock)], check=False).returncode == 3
     assert subprocess.run([sys.executable, "-c", probe, str(lock)], check=False).returncode == 0
+
+
+def test_mkl_small_row_path_is_preferred_on_amd_only_and_never_over_the_user():
+    from modeling_dspark.cpu_blas import prefer_mkl_small_row_path
+
+    env = {}
+    assert prefer_mkl_small_row_path(env, vendor="AuthenticAMD") is True and env == {"MKL_CBWR": "AUTO"}
+    for vendor in ("GenuineIntel", None):
+        env = {}
+        assert prefer_mkl_small_row_path(env, vendor=vendor) is False and env == {}
+    for user_value in ("", "COMPATIBLE"):  # empty: MKL's default path, the documented opt-out
+        env = {"MKL_CBWR": user_value}
+        assert prefer_mkl_small_row_path(env, vendor="AuthenticAMD") is False and env == {"MKL_CBWR": user_value}
+
+
+def test_cpu_vendor_read_from_cpuinfo(monkeypatch, tmp_path):
+    from modeling_dspark import cpu_blas
+
+    real_path = cpu_blas.Path
+    (tmp_path / "cpuinfo").write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2\n")
+    monkeypatch.setattr(cpu_blas, "Path", lambda p: real_path(tmp_path / "cpuinfo") if p == "/proc/cpuinfo" else real_path(p))
+    assert cpu_blas.cpu_vendor() == "AuthenticAMD"
+    monkeypatch.setattr(cpu_blas, "Path", lambda p: real_path(tmp_path / "missing"))
+    assert cpu_blas.cpu_vendor() is None
+
+
+def test_importing_the_package_sets_mkl_cbwr_before_any_product():
+    # a fresh interpreter: MKL reads the variable at its first call, so only import time is early enough
+    code = "import os, modeling_dspark; from modeling_dspark.cpu_blas import cpu_vendor; print(os.environ.get('MKL_CBWR'), cpu_vendor())"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "MKL_CBWR"}
+    value, vendor = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert value == ("AUTO" if vendor == "AuthenticAMD" else "None")

@@ -27,15 +27,20 @@ def cost_config(draft_cost, **kwargs):
     return dict(dspark_truncation="cost", dspark_cost_table=VERIFY, dspark_draft_cost=draft_cost, dspark_adapt_costs=False, **kwargs)
 
 
-def test_cost_truncation_greedy_equals_target_and_follows_the_draft_cost():
+def test_cost_truncation_greedy_equals_target_and_follows_the_draft_cost(monkeypatch):
+    from generation.scheduling.depth_planner import DepthPlanner
+
     target = tiny_target()
     prompt = torch.tensor([[5, 17, 3, 44, 9, 21]])
     ref = target.generate(prompt, do_sample=False, max_new_tokens=120)
     rounds = {}
-    for label, draft_cost in {
-        "free": DraftCost.from_dict({1: [0.0] * 4}),
-        "costly": DraftCost.from_dict({1: [1.0 * d for d in range(1, 5)]}),  # 100 target forwards per call
-    }.items():
+    costly = DraftCost.from_dict({1: [1.0 * d for d in range(1, 5)]})  # 100 target forwards per call
+    for label, draft_cost, budget in (
+        ("free", DraftCost.from_dict({1: [0.0] * 4}), DepthPlanner.PROBE_BUDGET),
+        ("costly", costly, DepthPlanner.PROBE_BUDGET),
+        ("costly, probes unbudgeted", costly, float("inf")),
+    ):
+        monkeypatch.setattr(DepthPlanner, "PROBE_BUDGET", budget)
         drafter = confident(tiny_drafter(target))
         gen = GenerationConfig(do_sample=False, max_new_tokens=120, **cost_config(draft_cost))
         out = target.generate(prompt, generation_config=gen, assistant_model=drafter)
@@ -44,10 +49,13 @@ def test_cost_truncation_greedy_equals_target_and_follows_the_draft_cost():
     free = [r.verified for r in rounds["free"]]
     # free drafting: after the first look (one slot), full blocks until the token budget shortens them
     assert free[0] == 1 and set(free[1:-3]) == {4}, free
-    # a drafter call that costs 100 plain rounds: only the first look and the probes draft, one slot each, and each
-    # probe that does not change the plan doubles the wait for the next (16, 32, 64 rounds)
+    # a drafter call that costs 100 plain rounds: a probe may come only after 100 / PROBE_BUDGET rounds, so within
+    # 120 tokens the first look (one slot) is all the drafting
     costly = [r.drafted for r in rounds["costly"]]
-    assert set(costly) == {0, 1} and [i for i, d in enumerate(costly) if d] == [0, 16, 48, 112], costly
+    assert costly[0] == 1 and set(costly[1:]) == {0}, costly
+    # without the budget, each probe that does not change the plan doubles the wait for the next (16, 32, 64 rounds)
+    unbudgeted = [r.drafted for r in rounds["costly, probes unbudgeted"]]
+    assert set(unbudgeted) == {0, 1} and [i for i, d in enumerate(unbudgeted) if d] == [0, 16, 48, 112], unbudgeted
 
 
 def verified_block_sums(drafter):

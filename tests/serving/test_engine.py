@@ -219,7 +219,7 @@ def test_engine_refuses_bad_settings():
     assert not engine.waiting
 
 
-def test_a_draft_cost_table_is_keyed_by_the_drafting_code(monkeypatch):
+def test_a_draft_cost_table_is_keyed_by_the_drafting_code_and_mkl_path(monkeypatch):
     import inspect
 
     import generation.decoding.drafting as drafting
@@ -235,6 +235,9 @@ def test_a_draft_cost_table_is_keyed_by_the_drafting_code(monkeypatch):
         return source(obj) + "\n# edited" if obj is drafting else source(obj)
 
     monkeypatch.setattr(inspect, "getsource", edited)
+    assert cost_table_path(target, 32, kind="draft", drafter=drafter) != before
+    monkeypatch.undo()
+    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")  # another MKL path for the few-row products: another price
     assert cost_table_path(target, 32, kind="draft", drafter=drafter) != before
     assert code_key() == code_key(None) and len(code_key(drafter).split("|")) > 3, "versions and the profiler, then the drafter's modules"
 

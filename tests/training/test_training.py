@@ -11,7 +11,12 @@ import torch
 from tiny_models import bigram_dataset, bigram_target, tiny_drafter, tiny_target
 
 from modeling_dspark import DSparkModel
-from modeling_dspark.training.calibration import CalibrationRounds, calibration_metrics, sequential_temperature_scaling
+from modeling_dspark.training.calibration import (
+    CalibrationRounds,
+    calibration_metrics,
+    sequential_temperature_scaling,
+    write_confidence_temperatures,
+)
 from modeling_dspark.training.loss import build_block_targets, compute_block_loss_terms, compute_dspark_loss, sample_anchor_positions
 from modeling_dspark.training.trainer import DSparkTrainer, DSparkTrainingArguments
 
@@ -160,6 +165,20 @@ def test_sts_does_not_touch_a_calibrated_head():
     accepted = torch.bernoulli(torch.sigmoid(true_logit)).cumprod(-1).sum(-1).long()
     temps = sequential_temperature_scaling(CalibrationRounds(true_logit, accepted))
     assert all(0.7 < t < 1.4 for t in temps)
+
+
+def test_calibration_writes_temperatures_without_touching_bf16_weights(tmp_path):
+    drafter = tiny_drafter(tiny_target()).to(torch.bfloat16)
+    drafter.save_pretrained(tmp_path)
+    weights = (tmp_path / "model.safetensors").read_bytes()
+    write_confidence_temperatures(tmp_path, [0.5, 1.0, 2.0, 1.0])
+    assert (tmp_path / "model.safetensors").read_bytes() == weights
+    loaded = DSparkModel.from_pretrained(tmp_path)
+    assert loaded.config.confidence_temperatures == [0.5, 1.0, 2.0, 1.0]
+    assert loaded.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="block_size"):
+        write_confidence_temperatures(tmp_path, [1.0, 1.0])
+    assert DSparkModel.from_pretrained(tmp_path).config.confidence_temperatures == [0.5, 1.0, 2.0, 1.0]
 
 
 def test_trainer_reduces_loss_and_saves_drafter_only(tmp_path):
