@@ -2,10 +2,10 @@
 
 Speculative decoding verifies a block of 2-8 tokens per forward, so its price on a CPU is that of matrix products
 with a few rows. PyTorch's CPU wheels multiply fp32 matrices through MKL, and on an AMD EPYC (AVX2) MKL's default
-code path makes such a product cost about twice a one-row one (a 576 x 1536 weight: 0.34 ms for 1 row, 0.56 ms
-for 2, 0.47 ms for 8), while any conditional-numerical-reproducibility mode (``MKL_CBWR``) takes a path where 2-8
-rows cost what one does (0.31-0.34 ms). On that CPU the target's 8-token forward drops from about 1.9 to 1.4
-one-token steps (``benchmarks/mkl_small_rows.py``). ``MKL_CBWR=AUTO`` keeps MKL's choice of instructions for the CPU.
+code path makes such a product cost up to about twice a one-row one, while any conditional-numerical-reproducibility
+mode (``MKL_CBWR``) takes a path where 2-8 rows cost little more than one: there SmolLM2-135M's 8-token forward
+costs 1.91 one-token steps on the default path and 1.33 with ``MKL_CBWR=AUTO`` (``benchmarks/mkl_small_rows.py``,
+results in ``benchmarks/results/mkl_small_rows_epyc``). ``AUTO`` keeps MKL's choice of instructions for the CPU.
 
 MKL reads the variable once, at its first call, so it must be set before the process's first matrix product:
 importing ``modeling_dspark`` does it, and only where it is unset and the CPU is AMD's (where it was measured).
