@@ -18,19 +18,25 @@ import os
 from collections.abc import MutableMapping
 from pathlib import Path
 
-__all__ = ["cpu_vendor", "prefer_mkl_small_row_path"]
+__all__ = ["cpu_vendor", "cpuinfo_field", "prefer_mkl_small_row_path"]
 
 # vendors whose CPUs were measured faster with MKL_CBWR set (benchmarks/mkl_small_rows.py)
 SMALL_ROW_VENDORS = ("AuthenticAMD",)
 
 
-def cpu_vendor() -> str | None:
-    """The ``vendor_id`` of /proc/cpuinfo (``GenuineIntel``, ``AuthenticAMD``), or None where it cannot be read."""
+def cpuinfo_field(name: str) -> str | None:
+    """The first processor's ``name`` field of /proc/cpuinfo (``vendor_id``, ``flags``), or None where it cannot be
+    read (not Linux, for example)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
-    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("vendor_id")), None)
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith(name)), None)
+
+
+def cpu_vendor() -> str | None:
+    """The CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``), or None where it cannot be read."""
+    return cpuinfo_field("vendor_id")
 
 
 _THIS_CPU = object()

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from .cpu_blas import cpuinfo_field
+
 __all__ = ["KNOWN_TARGETS", "TargetSpec", "cpu_flags", "default_cache_dir", "dtype_label", "fast_dtype", "load_target", "locate_gguf", "resolve_dtype"]
 
 
@@ -71,11 +73,7 @@ NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 def cpu_flags() -> list[str]:
     """This CPU's feature flags from /proc/cpuinfo (empty where it cannot be read: not Linux, for example)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    return next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return (cpuinfo_field("flags") or "").split()
 
 
 def _cpu_has_native_bf16() -> bool:

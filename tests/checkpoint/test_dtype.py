@@ -39,12 +39,14 @@ def test_native_bf16_flags_decide_without_timing(monkeypatch):
 
 
 def test_cpu_flags_read_from_cpuinfo(monkeypatch, tmp_path):
-    real_path = targets.Path
+    from modeling_dspark import cpu_blas  # the one reader of /proc/cpuinfo
+
+    real_path = cpu_blas.Path
     for flags, expected in (("fpu avx2 avx512f", False), ("fpu avx512f avx512_bf16", True), ("fpu amx_tile amx_bf16", True)):
         (tmp_path / "cpuinfo").write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
-        monkeypatch.setattr(targets, "Path", lambda p: real_path(tmp_path / "cpuinfo") if p == "/proc/cpuinfo" else real_path(p))
+        monkeypatch.setattr(cpu_blas, "Path", lambda p: real_path(tmp_path / "cpuinfo") if p == "/proc/cpuinfo" else real_path(p))
         assert targets._cpu_has_native_bf16() is expected
-    monkeypatch.setattr(targets, "Path", lambda p: real_path(tmp_path / "missing"))
+    monkeypatch.setattr(cpu_blas, "Path", lambda p: real_path(tmp_path / "missing"))
     assert targets.cpu_flags() == [] and targets._cpu_has_native_bf16() is False
 
 
