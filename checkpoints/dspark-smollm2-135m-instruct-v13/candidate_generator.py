@@ -216,7 +216,7 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
             self._planner = planner
         self.survival_estimate: list[float] | None = None  # moving average of the block's survival per slot
         self._unseen_features = None  # target features of tokens the drafter has not read (rounds without drafting)
-        self._round_timing = None  # (start, depth) of the round in flight, for the measured-cost ratio (verified: its round)
+        self._round_timing = None  # (start, depth, new context read) of the round in flight, for the measured-cost ratio (verified: its round)
         self._round_survival = None  # calibrated survival of the verified drafts of the round in flight (with a planner)
 
     def _propose(self, input_ids: torch.LongTensor, model_outputs) -> tuple[torch.LongTensor, torch.Tensor | None]:
@@ -243,9 +243,10 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
                 f"for {features.shape[1]}. Do not pass a pre-filled cache to generate() with a DSpark assistant."
             )
         features = features[:, :num_new]
+        context = unseen + num_new  # what the drafter reads before it drafts
         depth = max_tokens
         if self.depth_planner is not None and depth > 0:
-            depth = min(self.depth_planner.plan([self.survival_estimate]), max_tokens)
+            depth = min(self.depth_planner.plan([self.survival_estimate], context, tokens_left=room + 1), max_tokens)
         ngram = None
         if self.hybrid is not None:
             proposal = ngram_continuation(
@@ -256,13 +257,13 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
                 self._keep_unseen(features)
                 if self.depth_planner is not None:
                     self.depth_planner.drafted(0)
-                return self._ngram_round(input_ids, proposal, ngram.length, start, drafted=0, depth=0)
+                return self._ngram_round(input_ids, proposal, ngram.length, start, drafted=0, depth=0, context=context)
         if self.depth_planner is not None:
             self.depth_planner.drafted(depth)
         if depth == 0:  # a plain round: keep the features for the next drafter call
             self._keep_unseen(features)
             self._pending_round = DSparkRound(drafted=0, verified=0, proposal="plain", draft_seconds=time.perf_counter() - start)
-            self._round_timing = (start, 0)
+            self._round_timing = (start, 0, context)
             return input_ids, None
         if self._unseen_features is not None:
             features, self._unseen_features = torch.cat([self._unseen_features, features], 1), None
@@ -297,11 +298,11 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
         if survival is not None and drafted:
             self.survival_estimate = self._planner.update_estimates([self.survival_estimate], [survival[:drafted]])[0]
         if use_ngram:
-            return self._ngram_round(input_ids, proposal, ngram.length, start, drafted=drafted, depth=depth)
+            return self._ngram_round(input_ids, proposal, ngram.length, start, drafted=drafted, depth=depth, context=context)
         if self.hybrid is not None:
             self.hybrid.record_choice("dspark")
         if survival is not None and drafted and self.depth_planner is not None:
-            verified = self._cost_cut(survival[:drafted], depth)
+            verified = self._cost_cut(survival[:drafted], depth, context)
         if survival is not None and verified:  # scored against what the target accepts (DepthPlanner.corrected)
             self._round_survival = survival[:verified]
         self._pending_round = DSparkRound(
@@ -311,7 +312,7 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
             draft_seconds=time.perf_counter() - start,
         )
         if self._planner is not None:
-            self._round_timing = (start, depth)
+            self._round_timing = (start, depth, context)
         if verified == 0:
             return input_ids, None
         tokens = block.tokens[:, :verified].to(input_ids.device)
@@ -324,15 +325,15 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
             return list(self.survival_estimate or [1.0] * depth)
         return anchored_survival(survival[0], self.survival_estimate, depth)
 
-    def _ngram_round(self, input_ids, proposal, length: int, start: float, *, drafted: int, depth: int):
+    def _ngram_round(self, input_ids, proposal, length: int, start: float, *, drafted: int, depth: int, context: int):
         """Verify the first ``length`` tokens of the n-gram proposal (0: a plain round) as a point mass; ``depth``:
-        slots the drafter ran for this round (0: it did not run)."""
+        slots the drafter ran for this round (0: it did not run) after reading ``context`` new positions."""
         self.hybrid.record_choice("ngram" if length else "plain")
         self._pending_round = DSparkRound(
             drafted=drafted, verified=length, proposal="ngram" if length else "plain", match_length=proposal.match_length,
             draft_seconds=time.perf_counter() - start,
         )  # fmt: skip
-        self._round_timing = (start, depth)
+        self._round_timing = (start, depth, context)
         if length == 0:
             return input_ids, None
         tokens = proposal.tokens[None, :length].to(input_ids.device)
@@ -347,11 +348,11 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
         `DepthPlanner.corrected`), as cost truncation and the engine read it."""
         return survival if survival is None else self._planner.corrected([survival])[0]
 
-    def _cost_cut(self, survival: list[float], depth: int) -> int:
+    def _cost_cut(self, survival: list[float], depth: int, context: int) -> int:
         """Algorithm 1 on this row's drafted slots (early stop: slot k is cut on survival up to k)."""
         from .scheduler import schedule_algorithm1
 
-        spent = self.depth_planner.draft_cost.draft_seconds(1, depth)
+        spent = self.depth_planner.draft_cost.draft_seconds(1, depth, context)
         return schedule_algorithm1([self._corrected(survival)], self.cost_table, draft_seconds=spent)[0]
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
@@ -360,9 +361,9 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
             self._planner.record_acceptance([self._round_survival], [round_.verified], [int(num_matches)])
             self._round_survival = None
         if self._round_timing is not None:  # the round's wall time: drafting, verification and Transformers' own work
-            start, depth = self._round_timing
+            start, depth, context = self._round_timing
             committed = None if round_.proposal == "ngram" else int(num_matches) + 1
-            self._planner.record_round_time(1, depth, [round_.verified], time.perf_counter() - start, committed)
+            self._planner.record_round_time(1, depth, [round_.verified], time.perf_counter() - start, committed, context)
             self._round_timing = None
         if self.hybrid is not None and round_ is not None:
             if round_.proposal == "ngram":

@@ -10,7 +10,7 @@ of load on a shared machine slows all of them alike instead of one.
   ``context_length`` tokens, right-padded to a width of 1..``max_width`` tokens, its mask passed as the engine
   passes it (:class:`PaddedCostTable`).
 - ``profile_draft_cost(target, drafter)``: one drafting call (backbone, then :func:`draft_block`) for ``R`` rows
-  drafting 1..block_size slots (:class:`DraftCost`).
+  drafting 1..block_size slots, and what each further new context position adds (:class:`DraftCost`).
 
 ``dspark profile`` (``generation.evaluation.cost_plots``) measures and plots them.
 """
@@ -215,23 +215,24 @@ def profile_draft_cost(
     target, drafter, *, rows=DEFAULT_ROWS, context_length: int = 256, repeats: int = 5, use_cache: bool = True,
     progress: bool = True,
 ) -> DraftCost:  # fmt: skip
-    """Seconds of one drafting call as the engine and ``generate()`` make it: the drafter's backbone over 2 new
-    context tokens per row and the block, then :func:`draft_block` sampling D slots, for ``R`` rows with
-    ``context_length`` tokens already in the draft cache."""
+    """Seconds of one drafting call as the engine and ``generate()`` make it: the drafter's backbone over
+    ``DraftCost.BASE_CONTEXT`` new context tokens per row and the block, then :func:`draft_block` sampling D slots,
+    for ``R`` rows with ``context_length`` tokens already in the draft cache; and what each further new context
+    token per row adds (a call after rounds without the drafter reads every position it missed)."""
     path = cost_table_path(target, context_length, kind="draft", drafter=drafter)
     depth = drafter.config.block_size
     stored = _load_cached(path, use_cache)
-    if stored is not None:
-        table = DraftCost.from_dict(stored["seconds"])
+    if stored is not None and "context_seconds" in stored:
+        table = DraftCost.from_dict(stored["seconds"], stored["context_seconds"])
         if set(rows) <= set(table.rows) and table.max_depth == depth:
-            cached = table.to_dict()
-            return DraftCost.from_dict({r: cached[r] for r in rows})
+            keep = [table.rows.index(r) for r in rows]
+            return DraftCost(tuple(rows), tuple(table.seconds[i] for i in keep), tuple(table.context_seconds[i] for i in keep))
     device = drafter.device
     vocab = target.config.get_text_config().vocab_size
     width = len(drafter.config.target_layer_ids) * drafter.config.target_hidden_size
     embeddings, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     g = torch.Generator().manual_seed(0)
-    new_context = 2  # committed tokens per row after an average round
+    base, catch_up = DraftCost.BASE_CONTEXT, 64  # new context tokens per row: an average round's, and a catch-up's
     calls = {}
     for r in rows:
         cache = DynamicCache()
@@ -244,19 +245,21 @@ def profile_draft_cost(
             return drafter(block_embeds=block, context_features=features, position_ids=positions, cache=cache)
 
         backbone(context_length, 0)  # the prompts into the draft cache
-        for d in range(1, depth + 1):
+        for d, new_context in [(d, base) for d in range(1, depth + 1)] + [(1, base + catch_up)]:
 
-            def draft_call(d=d, anchors=anchors, backbone=backbone):
+            def draft_call(d=d, new_context=new_context, anchors=anchors, backbone=backbone):
                 out = backbone(new_context, context_length)
                 draft_block(drafter, out.last_hidden_state, lm_head, anchors, num_slots=d, greedy=False)
 
-            calls[r, d] = (draft_call, lambda cache=cache: cache.crop(-new_context))
+            key = (r, d) if new_context == base else (r, "catch-up")
+            calls[key] = (draft_call, lambda cache=cache, n=new_context: cache.crop(-n))
     seconds = _interleaved_medians(calls, repeats, device, "profiling the drafter", progress)
     table = dict(zip(rows, _monotone([[seconds[r, d] for d in range(1, depth + 1)] for r in rows])))
+    per_token = {r: max(0.0, seconds[r, "catch-up"] - seconds[r, 1]) / catch_up for r in rows}
     _store(path, {"target": getattr(target, "name_or_path", ""), "drafter": getattr(drafter, "name_or_path", ""),
                   "dtype": str(drafter.dtype), "device": str(device), "context_length": context_length,
-                  "seconds": table})  # fmt: skip
-    return DraftCost.from_dict(table)
+                  "seconds": table, "context_seconds": per_token})  # fmt: skip
+    return DraftCost.from_dict(table, per_token)
 
 
 @torch.no_grad()

@@ -128,10 +128,19 @@ class PaddedCostTable:
 @dataclass(frozen=True)
 class DraftCost:
     """Seconds of one batched drafter call for ``R`` rows drafting ``D`` slots (backbone + draft LM head over D
-    positions + the sequential sampling loop). ``D = 0`` means no drafter call and costs nothing."""
+    positions + the sequential sampling loop) with :attr:`BASE_CONTEXT` new context positions per row. ``D = 0``
+    means no drafter call and costs nothing.
+
+    ``context_seconds[i]``: what each further new context position (one column of the rows' right-padded context)
+    adds for ``rows[i]`` rows; empty when not measured (then no catch-up is modelled). After rounds without the
+    drafter its next call first reads every position it missed, so its price depends on how long it waited."""
 
     rows: tuple[int, ...]
     seconds: tuple[tuple[float, ...], ...]  # [len(rows)][D - 1] for D = 1..max_depth
+    context_seconds: tuple[float, ...] = ()
+
+    # new context positions per row a drafting round reads in steady state (the bonus token and an accepted draft)
+    BASE_CONTEXT = 2
 
     def __post_init__(self):
         _check_grid("profiled row counts", self.rows)
@@ -139,28 +148,44 @@ class DraftCost:
             raise ValueError("a draft cost table needs the same number of depths for every profiled row count")
         if any(t < 0 for line in self.seconds for t in line):
             raise ValueError("draft times must be non-negative")
+        if self.context_seconds and (len(self.context_seconds) != len(self.rows) or min(self.context_seconds) < 0):
+            raise ValueError("context_seconds needs one non-negative time per profiled row count")
 
     @property
     def max_depth(self) -> int:
         return len(self.seconds[0])
 
     @classmethod
-    def from_dict(cls, table: dict) -> "DraftCost":
-        """``{rows: [seconds at D = 1, 2, ...]}``."""
+    def from_dict(cls, table: dict, context_seconds: dict | None = None) -> "DraftCost":
+        """``{rows: [seconds at D = 1, 2, ...]}`` and, optionally, ``{rows: seconds per further context position}``."""
         rows = sorted(int(r) for r in table)
         by_rows = {int(r): tuple(float(t) for t in line) for r, line in table.items()}
-        return cls(tuple(rows), tuple(by_rows[r] for r in rows))
+        context = {int(r): float(t) for r, t in (context_seconds or {}).items()}
+        return cls(tuple(rows), tuple(by_rows[r] for r in rows), tuple(context[r] for r in rows) if context else ())
 
     def to_dict(self) -> dict:
         return {r: list(line) for r, line in zip(self.rows, self.seconds)}
 
-    def draft_seconds(self, num_rows: int, depth: int) -> float:
+    def _row_index(self, num_rows: int) -> tuple[int, float]:
+        """The profiled row count that stands for ``num_rows`` and the linear scale beyond the last one."""
+        return min(bisect.bisect_left(self.rows, num_rows), len(self.rows) - 1), max(1.0, num_rows / self.rows[-1])
+
+    def draft_seconds(self, num_rows: int, depth: int, context: int = BASE_CONTEXT) -> float:
+        """One call for ``num_rows`` rows drafting ``depth`` slots after reading ``context`` new positions per row
+        (the longest row's, as the context is right-padded)."""
         if depth <= 0:
             return 0.0
         if depth > self.max_depth:
             raise ValueError(f"profiled up to {self.max_depth} drafted slots, asked for {depth}")
-        i = min(bisect.bisect_left(self.rows, num_rows), len(self.rows) - 1)  # past the last row count: scaled
-        return self.seconds[i][depth - 1] * max(1.0, num_rows / self.rows[-1])
+        i, scale = self._row_index(num_rows)
+        return self.seconds[i][depth - 1] * scale + self.catch_up_seconds(num_rows, context)
+
+    def catch_up_seconds(self, num_rows: int, context: int) -> float:
+        """What reading ``context`` new positions per row costs beyond :attr:`BASE_CONTEXT` of them."""
+        if not self.context_seconds or context <= self.BASE_CONTEXT:
+            return 0.0
+        i, scale = self._row_index(num_rows)
+        return self.context_seconds[i] * scale * (context - self.BASE_CONTEXT)
 
 
 def _check(survival: Sequence[Sequence[float]]) -> None:
@@ -269,14 +294,18 @@ def async_capacity(
 
 
 def plan_draft_depth(
-    estimated_survival: Sequence[Sequence[float]], cost, draft_cost: DraftCost, max_depth: int, cost_scale=None
+    estimated_survival: Sequence[Sequence[float]], cost, draft_cost: DraftCost, max_depth: int, cost_scale=None,
+    catch_up_per_token: float = 0.0,
 ) -> int:
     """How many slots to draft this step (0 = do not call the drafter): the depth D whose best admission prefix
     (full search over the estimates, cliffs crossed) gives the highest ``Theta = tau / (T_draft(R, D) + T_verify)``,
     against plain decoding's ``R / T_verify(R, 1)``. ``estimated_survival[r]`` is request r's expected survival per
     slot from earlier steps (at least ``max_depth`` long); nothing of the step being planned enters it.
     ``cost_scale(D)`` (default 1) multiplies the modelled step time of depth D: the engine's ratio of measured to
-    modelled step times, which corrects the tables for what they do not see (context length, cache holes)."""
+    modelled step times, which corrects the tables for what they do not see (context length, cache holes).
+    ``catch_up_per_token``: seconds per token still to generate that drafting from here on must first spend reading
+    the positions the drafter missed (paid once, so spread over the rest of the requests); added to every depth's
+    time per token."""
     _check(estimated_survival)
     num_rows = len(estimated_survival)
     if any(len(e) < max_depth for e in estimated_survival):
@@ -287,7 +316,7 @@ def plan_draft_depth(
         truncated = [list(e[:depth]) for e in estimated_survival]
         groups = admission_groups(truncated, cost)
         _, theta = _best_prefix(truncated, groups, cost, num_rows, draft_cost.draft_seconds(num_rows, depth))
-        theta /= scale(depth)
+        theta = 1.0 / (scale(depth) / theta + catch_up_per_token)
         if theta > best:
             best_depth, best = depth, theta
     return best_depth

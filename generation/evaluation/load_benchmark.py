@@ -270,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         results["cost_table"] = dict(zip(cost.tokens, cost.steps_per_second))
     results["verify_cost_seconds"] = verify_cost.to_dict()
     results["draft_cost_seconds"] = draft_cost.to_dict()
+    results["draft_context_seconds"] = dict(zip(draft_cost.rows, draft_cost.context_seconds))  # per further context token
     command = command_line("generation.evaluation.load_benchmark", argv)
     write_load_report(results, args.out, cost, command)
     for label, rows in results["methods"].items():

@@ -84,8 +84,9 @@ class EngineRequest:
     output_ids: list[int] = field(default_factory=list)
     finished: bool = False
     stats: DSparkGenerationStats = field(default_factory=DSparkGenerationStats)
-    # drafting state: target features of committed tokens the drafter has not seen yet
-    pending_features: torch.Tensor | None = None
+    # drafting state: target features of committed tokens the drafter has not seen yet, one chunk per step (joined
+    # when the drafter reads them, so that a long plain stretch costs no copy per step)
+    pending_features: list[torch.Tensor] = field(default_factory=list)
     # expected survival per block slot, from this request's drafted steps (an exponential moving average)
     survival_estimate: list[float] | None = None
 
@@ -93,6 +94,11 @@ class EngineRequest:
     def anchor_position(self) -> int:
         """Position of the last committed token (the next block's anchor)."""
         return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    @property
+    def pending_context(self) -> int:
+        """Committed positions the drafter has not read yet."""
+        return sum(chunk.shape[0] for chunk in self.pending_features)
 
 
 class DSparkEngine:
@@ -330,7 +336,7 @@ class DSparkEngine:
             self.draft_cache.append_rows(RaggedCache(valid=torch.zeros(len(new) - len(free), 0, dtype=torch.bool)))
         for i, r in enumerate(new):
             if features is not None:
-                r.pending_features = features[i, : len(r.prompt_ids)]
+                r.pending_features = [features[i, : len(r.prompt_ids)]]
             if i < len(free):
                 self._rows[free[i]] = r
             else:
@@ -355,11 +361,12 @@ class DSparkEngine:
         logits q [R, D, V] and raw confidence logits [R, D] (None without a confidence head)."""
         drafter, device = self.drafter, self.drafter.device
         num_rows, gamma = len(requests), self.block_size
-        counts = [r.pending_features.shape[0] for r in requests]
+        counts = [r.pending_context for r in requests]
         width = max(counts)
-        feats = torch.zeros(num_rows, width, requests[0].pending_features.shape[-1], dtype=requests[0].pending_features.dtype, device=device)
+        first = requests[0].pending_features[0]
+        feats = torch.zeros(num_rows, width, first.shape[-1], dtype=first.dtype, device=device)
         for i, r in enumerate(requests):
-            feats[i, : counts[i]] = r.pending_features.to(device)
+            feats[i, : counts[i]] = torch.cat(r.pending_features).to(device)
         ctx_valid = torch.arange(width)[None] < torch.tensor(counts)[:, None]
         anchors_pos = torch.tensor([r.anchor_position for r in requests])
         ctx_pos = anchors_pos[:, None] - torch.tensor(counts)[:, None] + torch.arange(width)[None]
@@ -374,7 +381,7 @@ class DSparkEngine:
         )  # fmt: skip
         self.draft_cache.extend(ctx_valid)
         for r in requests:
-            r.pending_features = None
+            r.pending_features = []
         # the whole block goes through the backbone (its slots attend to each other), the LM head only where sampled
         process, greedy = self._sampling(requests)
         block = draft_block(
@@ -388,17 +395,24 @@ class DSparkEngine:
         survival = self.drafter.survival(confidence_logits).tolist()
         return [s[:n] for s, n in zip(survival, drafted)]
 
-    def _plan_depth(self, requests) -> int:
-        """Slots to draft this step, decided before drafting (from earlier steps only)."""
+    def _plan_depth(self, requests, context: int) -> int:
+        """Slots to draft this step, decided before drafting (from earlier steps only); ``context``: the new positions
+        per row the drafter would read first."""
         if self.scheduler == "none":
             return 0
         if self.scheduler == "fixed":
             return self.num_verify
         if self.depth_planner is None:
             return self.block_size
-        return self.depth_planner.plan([r.survival_estimate for r in requests])
+        tokens_left = sum(r.max_new_tokens - len(r.output_ids) for r in requests) / len(requests)
+        return self.depth_planner.plan([r.survival_estimate for r in requests], context, tokens_left)
 
-    def _schedule(self, requests, drafted, depth, confidence_logits, ngram_rows=()) -> tuple[list[int], list | None]:
+    @staticmethod
+    def _pending_width(requests) -> int:
+        """New context positions the drafter reads per row at its next call (right-padded to the longest row's)."""
+        return max(r.pending_context for r in requests)
+
+    def _schedule(self, requests, drafted, depth, confidence_logits, ngram_rows, context) -> tuple[list[int], list | None]:
         """Verification lengths of the drafted blocks, and the calibrated survival they were scheduled on (None for
         fixed lengths; empty for rows in ``ngram_rows``, which verify their n-gram instead and get 0 here)."""
         if self.scheduler == "fixed":
@@ -413,7 +427,7 @@ class DSparkEngine:
             survival = self.depth_planner.corrected(survival)
         if self.scheduler == "threshold":
             return schedule_threshold(survival, self.threshold), calibrated
-        spent = self.draft_cost.draft_seconds(len(requests), depth) if self.draft_cost is not None else 0.0
+        spent = self.draft_cost.draft_seconds(len(requests), depth, context) if self.draft_cost is not None else 0.0
         if self.scheduler == "algorithm1":
             return schedule_algorithm1(survival, self.cost_table, draft_seconds=spent), calibrated
         # asynchronous: the budget comes from the oldest remembered step (two steps back once warm)
@@ -467,7 +481,8 @@ class DSparkEngine:
         num_rows = len(requests)
         started = time.perf_counter()
         remaining = [r.max_new_tokens - len(r.output_ids) for r in requests]
-        depth = min(self._plan_depth(requests), max(remaining) - 1)
+        context = self._pending_width(requests) if self.drafter is not None else 0
+        depth = min(self._plan_depth(requests, context), max(remaining) - 1)
         drafted = [max(0, min(depth, n - 1)) for n in remaining]
         if self.drafter is not None and depth > 0:
             drafts, draft_logits, confidence_logits = self._draft(requests, depth)
@@ -479,7 +494,7 @@ class DSparkEngine:
         if not drafts.shape[1]:
             drafted = [0] * num_rows
         ngram_rows = self._ngram_rows(requests, remaining, drafted, confidence_logits) if self.ngram_acceptance is not None else {}
-        lengths, survival = self._schedule(requests, drafted, depth, confidence_logits, ngram_rows) if drafts.shape[1] else ([0] * num_rows, None)
+        lengths, survival = self._schedule(requests, drafted, depth, confidence_logits, ngram_rows, context) if drafts.shape[1] else ([0] * num_rows, None)
         if ngram_rows:
             drafts, draft_logits = self._with_ngram_rows(drafts, draft_logits, ngram_rows, lengths)
         longest = max(lengths)
@@ -509,8 +524,7 @@ class DSparkEngine:
         for i, r in enumerate(requests):
             n = accepted_l[i]
             if features is not None:
-                fresh = features[i, : 1 + n]
-                r.pending_features = fresh if r.pending_features is None else torch.cat([r.pending_features, fresh])
+                r.pending_features.append(features[i, : 1 + n])
             if i in ngram_rows:
                 match = ngram_rows[i].match_length
                 self.ngram_acceptance.record(match, lengths[i], n)
@@ -524,7 +538,9 @@ class DSparkEngine:
             if survival is not None:  # rows that verified an n-gram have no survival here
                 self.depth_planner.record_acceptance(survival, lengths, accepted_l)
             committed = None if ngram_rows else int(sum(accepted_l)) + num_rows  # an n-gram's tokens are not drafting's
-            self.depth_planner.record_round_time(num_rows, depth if drafts.shape[1] else 0, lengths, time.perf_counter() - started, committed)
+            self.depth_planner.record_round_time(
+                num_rows, depth if drafts.shape[1] else 0, lengths, time.perf_counter() - started, committed, context
+            )  # fmt: skip
         self.step_log.append({"active": num_rows, "drafted": depth if drafts.shape[1] else 0,
                               "verified": int(sum(lengths)) + num_rows, "committed": int(sum(accepted_l)) + num_rows})  # fmt: skip
         done += self._retire()
@@ -580,6 +596,6 @@ class DSparkEngine:
             self._rows = [None if r is None or r.finished else r for r in self._rows]
             self.active = [r for r in self.active if not r.finished]
             for r in done:
-                r.pending_features = None
+                r.pending_features = []
                 self.finished[r.request_id] = r
         return done

@@ -75,6 +75,14 @@ def test_cost_truncation_scales_survival_by_the_accepted_drafts(monkeypatch):
     from generation.scheduling import depth_planner
 
     monkeypatch.setattr(depth_planner.DepthPlanner, "ACCEPTANCE_DECAY", 1.0)
+    # every round takes what the tables say: what the planner does next then depends on the drafts alone, not on
+    # wall-clock times that vary run to run (they decide when it drafts, and so how many blocks there are to count)
+    record = depth_planner.DepthPlanner.record_round_time
+
+    def as_modelled(self, num_rows, depth, lengths, seconds, committed=None, context=2):
+        record(self, num_rows, depth, lengths, self.modelled_seconds(num_rows, depth, lengths, context), committed, context)
+
+    monkeypatch.setattr(depth_planner.DepthPlanner, "record_round_time", as_modelled)
     target = tiny_target()
     prompt = torch.tensor([[5, 17, 3, 44, 9, 21]])
     ref = target.generate(prompt, do_sample=False, max_new_tokens=60)

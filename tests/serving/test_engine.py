@@ -259,6 +259,9 @@ def test_profiler_measures_caches_and_the_load_benchmark_runs(tmp_path, monkeypa
     assert verify.rows == (1, 3) and verify.widths == (1, 2, 3, 4) and verify.forward_seconds(2, 3) > 0
     draft = profile_draft_cost(target, drafter, rows=(1, 3), context_length=32, repeats=1, progress=False)
     assert draft.rows == (1, 3) and draft.max_depth == drafter.config.block_size and draft.draft_seconds(3, 1) > 0
+    assert len(draft.context_seconds) == 2 and draft.draft_seconds(3, 1, context=66) >= draft.draft_seconds(3, 1)
+    cached = profile_draft_cost(target, drafter, rows=(3,), context_length=32, progress=False)
+    assert cached.seconds == draft.seconds[1:] and cached.context_seconds == draft.context_seconds[1:]  # from disk
     for kind, kw in (("verify-4d", {}), ("draft", {"drafter": drafter})):  # a CPU sdpa target: the 4-D mask
         assert cost_table_path(target, 32, kind=kind, **kw).is_file()
     assert profile_verify_cost(target, rows=(1,), max_width=2, context_length=32, progress=False).to_dict() == {
@@ -349,6 +352,52 @@ def test_draft_cost_decides_whether_and_how_deep_to_draft():
     assert medium[0] == 1 and all(d <= 2 for d in medium[1:]) and sum(d == 2 for d in medium) >= len(medium) - 3, medium
 
 
+def test_probes_wait_longer_when_the_drafter_has_more_to_read(monkeypatch):
+    """A probe first reads every position the drafter missed, so its price, and its wait under the probe budget,
+    grow with the longest row's unread context; the engine passes that on (the longest prompt after prefill, one
+    position more per plain step), and the output is still the target's."""
+    per_position = 0.001  # a tenth of a plain round per unread position
+    catch_up = DraftCost.from_dict({4: [0.0] * 4}, {4: per_position})
+    planner = depth_planner_module.DepthPlanner(PADDED, catch_up, 4, probe_interval=1, adapt_costs=False)
+    plain = planner.modelled_seconds(4, 0, [0] * 4)
+    base = planner.probe_price(4)
+    assert base == pytest.approx(planner.modelled_seconds(4, 1, [1] * 4) / plain - 1)
+    assert planner.probe_price(4, 52) == pytest.approx(base + 50 * per_position / plain)
+    planner.mean_survival = [0.01, 0.001, 0.0, 0.0]  # the plan skips the drafter; only probes draft
+    planner.rounds_since_draft = math.ceil(base / planner.PROBE_BUDGET)
+    assert planner.plan([None] * 4) == 1  # due with two unread positions per row
+    planner._probed = False
+    assert planner.plan([None] * 4, context=52) == 0  # not yet with fifty more
+    # a plan to draft pays the catch-up once, spread over the tokens the rows have left
+    planner = depth_planner_module.DepthPlanner(PADDED, catch_up, 4, probe_interval=1000, adapt_costs=False)
+    sure = [[0.9, 0.8, 0.7, 0.6]] * 4
+    assert planner.plan(sure, context=52) == 4  # tokens left unbounded: the steady state decides
+    assert planner.plan(sure, context=52, tokens_left=1000) == 4  # 50 ms over 4000 tokens
+    assert planner.plan(sure, context=52, tokens_left=3) == 0  # 50 ms over 12 tokens: more than drafting saves
+    assert planner.plan(sure, context=2, tokens_left=3) == 4  # nothing missed: nothing to pay
+
+    target = bigram_target()
+    drafter = oracle_drafter(target)
+    contexts, left = [], []
+    plan = depth_planner_module.DepthPlanner.plan
+
+    def recording(self, estimates, context=DraftCost.BASE_CONTEXT, tokens_left=None):
+        contexts.append(context)
+        left.append(tokens_left)
+        return plan(self, estimates, context, tokens_left)
+
+    monkeypatch.setattr(depth_planner_module.DepthPlanner, "plan", recording)
+    lengths = (5, 8, 3, 11)
+    costly = DraftCost.from_dict({4: [1.0 * d for d in range(1, 5)]}, {4: per_position})
+    engine, outs = run_engine(target, drafter, scheduler="algorithm1", cost_table=PADDED, draft_cost=costly, adapt_costs=False)
+    assert outs == [plain_greedy(target, p, 24) for p in prompts(target.config.vocab_size, lengths=lengths)]
+    drafted = [step["drafted"] for step in engine.step_log]
+    assert contexts[0] == max(lengths) and drafted[0] == 1  # the first look reads the whole prompts
+    assert left[0] == 23 and left[1] == pytest.approx(23 - engine.step_log[0]["committed"] / 4)  # mean tokens left
+    plain_stretch = drafted[1:].index(1) if 1 in drafted[1:] else len(drafted) - 1
+    assert plain_stretch >= 8 and all(b - a == 1 for a, b in zip(contexts[1:plain_stretch], contexts[2 : plain_stretch + 1]))
+
+
 def test_engine_continues_from_another_engines_depth_planner():
     """A new engine given ``depth_planner=`` starts from what the earlier one measured: with a costly drafter it
     skips drafting from its first step instead of looking again, and its output is still the target's."""
@@ -397,6 +446,8 @@ def test_measured_step_times_correct_the_cost_model():
     planner = engine.depth_planner
     planner.record_round_time(4, 0, [0] * 4, 0.0102)  # plain steps: as modelled
     assert planner.cost_ratio[4, 0] == pytest.approx(1.0)
+    planner.record_round_time(4, 1, [1] * 4, 1.0)  # the first drafted round pays one-off costs: not a price
+    assert (4, 1) not in planner.cost_ratio and (4, True) not in planner.throughput_sums
     planner.record_round_time(3, 4, [4] * 3, 0.110)  # a full block took 10x its model (load level 4 covers R = 3)
     assert planner.cost_ratio[4, 4] == pytest.approx(10.0)
     planner.record_round_time(4, 4, [4] * 4, 0.011)
@@ -411,6 +462,12 @@ def test_measured_step_times_correct_the_cost_model():
     assert plan_draft_depth(sure, PADDED, free, 4, cost_scale=lambda d: 1.0 if d == 0 else 5.0) == 0
 
 
+def past_first_draft(planner):
+    """The planner after its first drafted round, which it leaves untimed (one-off costs of the drafter's first call)."""
+    planner.record_round_time(1, 1, [1], 1.0, committed=1)
+    return planner
+
+
 def test_a_plan_that_loses_in_fact_is_dropped():
     """Where the rounds that drafted have committed fewer tokens per second than the plain ones at the same load
     level, over enough rounds of each to tell, the planner skips the drafter there, whatever the tables favour, and
@@ -418,7 +475,7 @@ def test_a_plan_that_loses_in_fact_is_dropped():
     the tables' plan."""
     free = DraftCost.from_dict({4: [0.0] * 4})
     sure = [[0.9, 0.8, 0.7, 0.6]] * 4
-    planner = depth_planner_module.DepthPlanner(PADDED, free, 4, probe_interval=1000)
+    planner = past_first_draft(depth_planner_module.DepthPlanner(PADDED, free, 4, probe_interval=1000))
     plain_s, block_s = planner.modelled_seconds(4, 0, [0] * 4), planner.modelled_seconds(4, 4, [4] * 4)  # times as modelled
     need_drafted, need_plain = planner.EVIDENCE_ROUNDS[True], planner.EVIDENCE_ROUNDS[False]
     assert need_drafted > need_plain >= 1
@@ -454,7 +511,7 @@ def test_noisy_drafted_rounds_do_not_drop_a_plan_that_pays():
     """Drafted rounds at R = 1 commit 1 or 2 tokens; a run of unlucky rounds must not outweigh a measured gain
     (drafting 18 % ahead on average, as one-slot drafting measured at R = 1 on the shipped drafter)."""
     free = DraftCost.from_dict({4: [0.0] * 4})
-    planner = depth_planner_module.DepthPlanner(PADDED, free, 4, probe_interval=1000)
+    planner = past_first_draft(depth_planner_module.DepthPlanner(PADDED, free, 4, probe_interval=1000))
     plain_s = 0.040
     drafted_s = 0.040 * 1.44 / 1.18  # survival 0.44: 1.44 tokens per round, 18 % ahead of plain
     for _ in range(4):

@@ -127,6 +127,22 @@ def test_draft_seconds_make_verifying_more_worthwhile():
         assert sum(schedule_full_search(survival, cost, draft_seconds=1.0)) >= sum(schedule_full_search(survival, cost))
 
 
+def test_a_drafter_call_after_plain_rounds_pays_for_the_positions_it_missed():
+    """The profiled times hold ``BASE_CONTEXT`` new context positions per row; each further one (of the longest row,
+    the context being right-padded) adds its measured price."""
+    draft = DraftCost.from_dict({1: [0.001, 0.002], 4: [0.002, 0.004]}, {1: 1e-4, 4: 3e-4})
+    assert draft.context_seconds == (1e-4, 3e-4) and DraftCost.BASE_CONTEXT == 2
+    assert draft.draft_seconds(4, 1) == draft.draft_seconds(4, 1, context=1) == 0.002  # steady state
+    assert draft.draft_seconds(3, 2, context=12) == pytest.approx(0.004 + 10 * 3e-4)
+    assert draft.catch_up_seconds(8, 12) == pytest.approx(2 * 10 * 3e-4)  # linear beyond the profiled rows
+    assert draft.draft_seconds(4, 0, context=100) == 0.0  # no call, nothing read
+    assert DraftCost.from_dict({4: [0.002]}).draft_seconds(4, 1, context=100) == 0.002  # not measured: not modelled
+    with pytest.raises(ValueError, match="context_seconds"):
+        DraftCost((1, 4), ((0.1,), (0.2,)), (1e-4,))
+    with pytest.raises(ValueError, match="context_seconds"):
+        DraftCost((1,), ((0.1,),), (-1e-4,))
+
+
 def test_draft_cost_lookup_and_depth_planning():
     draft = DraftCost.from_dict({1: [0.001, 0.002, 0.003], 4: [0.002, 0.004, 0.006]})
     assert draft.max_depth == 3 and draft.draft_seconds(3, 0) == 0.0 and draft.draft_seconds(3, 2) == 0.004
@@ -143,6 +159,11 @@ def test_draft_cost_lookup_and_depth_planning():
     assert plan_draft_depth(sure, flat, costly_slots, 3) == 1
     with pytest.raises(ValueError, match="max_depth=3"):
         plan_draft_depth([[0.9]], flat, draft, 3)
+    # a catch-up to pay before drafting, per token left: plain decoding takes 2.5 ms a token here (4 rows, 10 ms),
+    # full blocks of this survival 0.74 ms; 1 ms more a token still pays, 2 ms no longer does
+    free = DraftCost.from_dict({4: [0.0] * 3})
+    assert plan_draft_depth(sure, flat, free, 3, catch_up_per_token=0.001) == 3
+    assert plan_draft_depth(sure, flat, free, 3, catch_up_per_token=0.002) == 0
 
 
 # ------------------------------------------------------------------------------------ Appendix A
