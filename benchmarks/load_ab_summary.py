@@ -28,9 +28,8 @@ def main(argv=None) -> int:
     parser.add_argument("--arms", nargs="+", required=True, help="run-folder name prefixes, one per code version")
     parser.add_argument("--notes", default="", help="what each arm ran (commits, commands, machine), written under the title")
     args = parser.parse_args(argv)
-    lines = ["| arm | run | " + " | ".join(f"R={r}" for r in _concurrency(args)) + " |"]
-    lines.append("|---" * (2 + len(_concurrency(args))) + "|")
-    medians = {}
+    concurrency = _concurrency(args)
+    lines = ["| arm | run | " + " | ".join(f"R={r}" for r in concurrency) + " |", "|---" * (2 + len(concurrency)) + "|"]
     for arm in args.arms:
         runs = sorted((p for p in args.folder.iterdir() if re.fullmatch(rf"{re.escape(arm)}\d+", p.name)), key=lambda p: p.name)
         if not runs:
@@ -39,8 +38,8 @@ def main(argv=None) -> int:
         for name, rows in per_run.items():
             cells = [f"{x:.3f} ({depth:.2f} / {tau:.2f})" for x, depth, tau in rows.values()]
             lines.append(f"| {arm} | {name} | " + " | ".join(cells) + " |")
-        medians[arm] = {r: statistics.median(rows[r][0] for rows in per_run.values()) for r in next(iter(per_run.values()))}
-        lines.append(f"| {arm} | median | " + " | ".join(f"**{v:.3f}**" for v in medians[arm].values()) + " |")
+        medians = [statistics.median(rows[r][0] for rows in per_run.values()) for r in concurrency]
+        lines.append(f"| {arm} | median | " + " | ".join(f"**{v:.3f}**" for v in medians) + " |")
     text = (
         "# Algorithm 1 over no speculation, two code versions in turns\n\n"
         + (args.notes + "\n\n" if args.notes else "")

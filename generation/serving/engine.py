@@ -395,17 +395,16 @@ class DSparkEngine:
         survival = self.drafter.survival(confidence_logits).tolist()
         return [s[:n] for s, n in zip(survival, drafted)]
 
-    def _plan_depth(self, requests, context: int) -> int:
+    def _plan_depth(self, requests, context: int, remaining: Sequence[int]) -> int:
         """Slots to draft this step, decided before drafting (from earlier steps only); ``context``: the new positions
-        per row the drafter would read first."""
+        per row the drafter would read first; ``remaining``: each row's tokens left."""
         if self.scheduler == "none":
             return 0
         if self.scheduler == "fixed":
             return self.num_verify
         if self.depth_planner is None:
             return self.block_size
-        tokens_left = sum(r.max_new_tokens - len(r.output_ids) for r in requests) / len(requests)
-        return self.depth_planner.plan([r.survival_estimate for r in requests], context, tokens_left)
+        return self.depth_planner.plan([r.survival_estimate for r in requests], context, sum(remaining) / len(remaining))
 
     @staticmethod
     def _pending_width(requests) -> int:
@@ -482,7 +481,7 @@ class DSparkEngine:
         started = time.perf_counter()
         remaining = [r.max_new_tokens - len(r.output_ids) for r in requests]
         context = self._pending_width(requests) if self.drafter is not None else 0
-        depth = min(self._plan_depth(requests, context), max(remaining) - 1)
+        depth = min(self._plan_depth(requests, context, remaining), max(remaining) - 1)
         drafted = [max(0, min(depth, n - 1)) for n in remaining]
         if self.drafter is not None and depth > 0:
             drafts, draft_logits, confidence_logits = self._draft(requests, depth)

@@ -79,7 +79,7 @@ def test_cost_truncation_scales_survival_by_the_accepted_drafts(monkeypatch):
     # wall-clock times that vary run to run (they decide when it drafts, and so how many blocks there are to count)
     record = depth_planner.DepthPlanner.record_round_time
 
-    def as_modelled(self, num_rows, depth, lengths, seconds, committed=None, context=2):
+    def as_modelled(self, num_rows, depth, lengths, seconds, committed=None, context=DraftCost.BASE_CONTEXT):
         record(self, num_rows, depth, lengths, self.modelled_seconds(num_rows, depth, lengths, context), committed, context)
 
     monkeypatch.setattr(depth_planner.DepthPlanner, "record_round_time", as_modelled)
