@@ -20,6 +20,15 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cost_tables_apart(tmp_path_factory):
+    """Cost tables timed here are timed beside the other workers' tests: cached where real runs read them, they
+    would price every later run at that load (generation.scheduling.profiler)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DSPARK_COST_CACHE", str(tmp_path_factory.mktemp("cost_tables")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def parity_report(request):
     """Largest absolute difference per checked tensor; printed at the end of the module (pytest -s)."""

@@ -1,8 +1,11 @@
 """Cost tables measured on the real models, cached on disk keyed by model, dtype, device, threads, MKL's path
-(``MKL_CBWR``, see ``modeling_dspark.cpu_blas``), context length and code (:func:`code_key`; ``~/.cache/dspark/sps``, ``DSPARK_CACHE`` moves it), so an engine start
-re-profiles only on a new machine, model or code (this module's included). Every point is the median of ``repeats``
-timed runs after one warm-up, and the points of a table are timed in turns (every point once, then again), so a burst
-of load on a shared machine slows all of them alike instead of one.
+(``MKL_CBWR``, see ``modeling_dspark.cpu_blas``), context length and code (:func:`code_key`), so an engine start
+re-profiles only on a new machine, model or code (this module's included). The tables live in
+``~/.cache/dspark/sps``: ``DSPARK_CACHE`` moves the whole cache, ``DSPARK_COST_CACHE`` only the tables. A table
+timed while something else loads the cores keeps that load's prices for every later run, so profile on a machine
+otherwise idle (the test suite, whose workers share the cores, keeps its tables apart). Every point is the median
+of ``repeats`` timed runs after one warm-up, and the points of a table are timed in turns (every point once, then
+again), so a burst of load on a shared machine slows all of them alike instead of one.
 
 - ``profile_sps(target)``: the paper's ``SPS(B)``, one forward of ``B`` new tokens on top of a cache of
   ``context_length`` tokens, for a grid of ``B`` (:class:`CostTable`).
@@ -47,6 +50,8 @@ DEFAULT_ROWS = (1, 2, 4, 8, 16, 32)  # concurrent requests; beyond the last, cos
 
 
 def _cache_dir() -> Path:
+    if os.environ.get("DSPARK_COST_CACHE"):
+        return Path(os.environ["DSPARK_COST_CACHE"])
     return Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark")) / "sps"
 
 

@@ -70,8 +70,8 @@ def verified_block_sums(drafter):
 def test_cost_truncation_scales_survival_by_the_accepted_drafts(monkeypatch):
     """generate() reports each verified block's calibrated survival and accepted drafts to its planner (the one the
     drafter keeps for this target): an untrained drafter that promises survival near 1 and is mostly rejected gets
-    its survival scaled down, by exactly accepted over expected with undecayed sums, and the output is the
-    target's."""
+    its survival scaled down, slot by slot, from exactly the undecayed sums of what its verified drafts reached
+    and promised, and the output is the target's."""
     from generation.scheduling import depth_planner
 
     monkeypatch.setattr(depth_planner.DepthPlanner, "ACCEPTANCE_DECAY", 1.0)
@@ -93,8 +93,12 @@ def test_cost_truncation_scales_survival_by_the_accepted_drafts(monkeypatch):
     planner, _ = depth_planner.generate_planner(target, drafter, gen)
     rounds, accepted, expected = verified_block_sums(drafter)
     assert len(rounds) >= 5
-    assert planner.acceptance_sums == pytest.approx([accepted, expected])
-    assert accepted < 0.5 * expected and planner.survival_scale == pytest.approx(max(accepted / expected, planner.SURVIVAL_SCALE_BOUNDS[0]))
+    assert sum(s[0] for s in planner.slot_sums) == accepted and sum(s[1] for s in planner.slot_sums) == pytest.approx(expected)
+    reached, promised = planner.slot_sums[0]
+    assert accepted < 0.5 * expected and reached < 0.5 * promised
+    low, prior = planner.SURVIVAL_SCALE_BOUNDS[0], planner.ACCEPTANCE_PRIOR
+    first = planner.survival_scales[0]
+    assert first == pytest.approx(max((reached + prior) / (promised + prior), low)) and first < 0.75
 
 
 def token_dependent_confidence(drafter):

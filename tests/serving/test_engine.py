@@ -2,6 +2,7 @@
 the target's distribution, under every scheduler, with requests of different lengths joining and leaving."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -242,6 +243,22 @@ def test_a_draft_cost_table_is_keyed_by_the_drafting_code_and_mkl_path(monkeypat
     assert code_key() == code_key(None) and len(code_key(drafter).split("|")) > 3, "versions and the profiler, then the drafter's modules"
 
 
+def test_cost_tables_live_where_the_environment_says_and_the_suite_keeps_its_own(tmp_path, monkeypatch):
+    import os
+
+    from generation.scheduling.profiler import cost_table_path
+
+    target = tiny_target()
+    # tables timed beside other workers' tests must never price a user's later runs
+    assert Path(os.environ["DSPARK_COST_CACHE"]) in cost_table_path(target, 32).parents
+    assert Path.home() / ".cache" not in cost_table_path(target, 32).parents
+    monkeypatch.delenv("DSPARK_COST_CACHE")
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "all"))
+    assert cost_table_path(target, 32).parent == tmp_path / "all" / "sps"
+    monkeypatch.setenv("DSPARK_COST_CACHE", str(tmp_path / "tables"))
+    assert cost_table_path(target, 32).parent == tmp_path / "tables"
+
+
 def test_profiler_measures_caches_and_the_load_benchmark_runs(tmp_path, monkeypatch):
     import json as _json
 
@@ -250,7 +267,7 @@ def test_profiler_measures_caches_and_the_load_benchmark_runs(tmp_path, monkeypa
     from generation.evaluation.load_benchmark import run_load, write_load_report
     from generation.scheduling.profiler import cost_table_path, profile_draft_cost, profile_sps, profile_verify_cost
 
-    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DSPARK_COST_CACHE", str(tmp_path / "cost_tables"))  # empty: the first calls profile
     target = tiny_target()
     cost = profile_sps(target, max_tokens=16, context_length=32, repeats=2, progress=False)
     assert cost.tokens == (1, 2, 3, 4, 6, 8, 12, 16) and all(s > 0 for s in cost.steps_per_second)
@@ -525,48 +542,73 @@ def test_noisy_drafted_rounds_do_not_drop_a_plan_that_pays():
     assert dropped < len(rounds) // 4
 
 
-def test_survival_is_scaled_by_what_the_verified_drafts_yielded():
-    """The planner scales the calibrated survival by the accepted drafts over their expectation in earlier rounds:
-    no scale before enough drafts were expected, a ratio of decayed sums after, within its bounds; a drafter that
-    promises more than it delivers loses the plan the tables gave its promise; ``correct_survival=False`` (or
-    ``adapt_costs=False``) keeps the survival as calibrated."""
+def test_survival_is_scaled_slot_by_slot_by_what_the_verified_drafts_reached():
+    """The planner scales each slot's calibrated survival by how often earlier verified rounds reached it over how
+    often their survival promised it would, shrunk towards the slot before: no correction before anything is
+    verified, decayed sums after, within bounds, the curve non-increasing; a slot never verified takes the factor
+    of the slots before it; a drafter that promises more than it delivers loses the plan the tables gave its
+    promise; ``correct_survival=False`` (or ``adapt_costs=False``) keeps the survival as calibrated."""
     free = DraftCost.from_dict({4: [0.0] * 4})
     steep = PaddedCostTable.from_dict({4: {w: 0.010 * (1 + 0.6 * (w - 1)) for w in range(1, 9)}})  # a verified draft costs 60 %
     sure = [[0.9, 0.8, 0.7, 0.6]] * 4
     planner = depth_planner_module.DepthPlanner(steep, free, 4, probe_interval=1000)
     assert planner.plan(sure) == 0  # the first plan at a level measures a plain round
     planner.record_round_time(4, 0, [0] * 4, planner.modelled_seconds(4, 0, [0] * 4), committed=4)
-    assert planner.plan(sure) > 0 and planner.survival_scale == 1.0
-    planner.record_acceptance(sure, [2, 2, 0, 0], [2, 1, 0, 0])  # 3.4 drafts expected: too few to judge
-    assert planner.survival_scale == 1.0 and planner.corrected(sure) == sure
-    for _ in range(5):  # 4 rows verify 4 drafts each (12 expected) and half of what was expected is accepted
-        planner.record_acceptance(sure, [4] * 4, [2, 1, 2, 1])
-    decay = planner.ACCEPTANCE_DECAY
-    got = 3 * decay**5 + sum(6 * decay**k for k in range(5))
-    expected = 3.4 * decay**5 + sum(12 * decay**k for k in range(5))
-    assert planner.survival_scale == pytest.approx(got / expected)
-    assert planner.corrected(sure)[0] == pytest.approx([a * got / expected for a in sure[0]])
-    assert planner.plan(sure) == 0  # at half the promised survival a draft slot no longer pays for its 60 %
-    for _ in range(200):  # nothing accepted, for long: the scale stops at its lower bound
+    assert planner.plan(sure) > 0 and planner.survival_scales == [1.0] * 4 and planner.corrected(sure) == sure
+    planner.record_acceptance(sure, [0] * 4, [0] * 4)  # nothing verified: nothing learnt, nothing decayed
+    assert planner.slot_sums == [[0.0, 0.0]] * 4
+    for _ in range(5):  # 4 rows verify 2 drafts: the first always accepted, the second half the time
+        planner.record_acceptance(sure, [2] * 4, [2, 1, 2, 1])
+    decay, prior = planner.ACCEPTANCE_DECAY, planner.ACCEPTANCE_PRIOR
+    weight = sum(decay**k for k in range(5))
+    assert planner.slot_sums[0] == pytest.approx([4 * weight, 3.6 * weight])
+    assert planner.slot_sums[1] == pytest.approx([2 * weight, 3.2 * weight]) and planner.slot_sums[2] == [0.0, 0.0]
+    first = (4 * weight + prior) / (3.6 * weight + prior)
+    second = (2 * weight + prior * first) / (3.2 * weight + prior)
+    assert planner.survival_scales == pytest.approx([first, second, second, second])  # slots 3-4: never verified
+    assert first > 1 > second
+    assert planner.corrected(sure)[0] == pytest.approx([min(1.0, 0.9 * first), 0.8 * second, 0.7 * second, 0.6 * second])
+    for _ in range(200):  # slot 2 stops being reached: at half its promise, a second draft slot no longer pays
+        planner.record_acceptance(sure, [2] * 4, [1] * 4)
+    assert planner.survival_scales[1] == planner.SURVIVAL_SCALE_BOUNDS[0]
+    assert planner.plan(sure) == 1
+    for _ in range(200):  # nothing accepted, for long: every factor stops at its lower bound
         planner.record_acceptance(sure, [4] * 4, [0] * 4)
-    assert planner.survival_scale == planner.SURVIVAL_SCALE_BOUNDS[0]
-    timid = [[0.5, 0.25, 0.125, 0.0625]] * 4
+    assert planner.survival_scales == [planner.SURVIVAL_SCALE_BOUNDS[0]] * 4
+    assert planner.plan(sure) == 0
+    timid = [[0.4, 0.2, 0.1, 0.05]] * 4
     for _ in range(200):  # everything accepted of drafts that promised little: capped survival, still non-increasing
         planner.record_acceptance(timid, [4] * 4, [4] * 4)
-    assert planner.survival_scale == planner.SURVIVAL_SCALE_BOUNDS[1]
-    assert planner.corrected(sure) == [[1.0, 1.0, 1.0, 0.6 * 1.5]] * 4
+    high = planner.SURVIVAL_SCALE_BOUNDS[1]
+    assert planner.survival_scales == [high] * 4
+    assert planner.corrected(sure) == [[1.0, 1.0, 1.0, 1.0]] * 4
+    assert planner.corrected([[0.9, 0.2, 0.3, 0.1]]) == [[1.0, 0.4, 0.4, 0.2]]  # never rising along the block
     for kw in ({"adapt_costs": False}, {"correct_survival": False}):
         fixed = depth_planner_module.DepthPlanner(steep, free, 4, probe_interval=1000, **kw)
         for _ in range(5):
             fixed.record_acceptance(sure, [4] * 4, [0] * 4)
-        assert fixed.survival_scale == 1.0 and fixed.corrected(sure) == sure, kw
+        assert fixed.survival_scales == [1.0] * 4 and fixed.corrected(sure) == sure, kw
+
+
+def test_unobserved_slots_continue_the_observed_acceptance():
+    """Slots beyond those drafted continue at the last per-slot acceptance seen (geometric), not at the last
+    slot's survival, so a one-slot probe at 0.5 does not promise 0.5 for slot 7; estimates blend that continuation into slots not
+    seen this round."""
+    assert depth_planner_module.extend_survival([0.5], 4) == [0.5, 0.25, 0.125, 0.0625]
+    assert depth_planner_module.extend_survival([0.8, 0.4], 4) == [0.8, 0.4, 0.2, 0.1]
+    assert depth_planner_module.extend_survival([0.8, 0.0], 3) == [0.8, 0.0, 0.0]
+    assert depth_planner_module.extend_survival([0.9, 0.6, 0.3], 3) == [0.9, 0.6, 0.3]
+    assert depth_planner_module.blend_survival(None, [0.5], 3) == [0.5, 0.25, 0.125]
+    # an old tail moves towards the continuation of what is seen now, so it cannot stay low unseen
+    assert depth_planner_module.blend_survival([0.6, 0.5, 0.4], [0.4], 3) == pytest.approx([0.5, 0.33, 0.232])
+    assert depth_planner_module.blend_survival([0.8, 0.01, 0.0], [0.8], 3)[1] > 0.3
 
 
 def test_engine_feeds_the_planner_the_drafts_it_verified(monkeypatch):
     """The engine reports every verified block's calibrated survival and accepted drafts to its planner: with
-    undecayed sums the scale is exactly accepted over expected, recomputed from the requests' own rounds. The
-    oracle drafter's drafts are all accepted while its confidence promises 0.8 a slot, so the scale rises above 1,
-    and the output is still the target's."""
+    undecayed sums each slot's sums are exactly the rounds that reached it and the survival they promised it,
+    recomputed from the requests' own rounds. The oracle drafter's drafts are all accepted while its confidence
+    promises 0.8 a slot, so the first slot's factor rises above 1, and the output is still the target's."""
     monkeypatch.setattr(depth_planner_module.DepthPlanner, "ACCEPTANCE_DECAY", 1.0)
     target = bigram_target()
     drafter = oracle_drafter(target)
@@ -582,9 +624,15 @@ def test_engine_feeds_the_planner_the_drafts_it_verified(monkeypatch):
         expected = sum(drafter.survival(torch.tensor([x.confidence_logits])).sum().item() for x in rounds)
     accepted = sum(x.accepted for x in rounds)
     assert accepted == sum(x.verified for x in rounds)  # the oracle's drafts
-    assert engine.depth_planner.acceptance_sums == pytest.approx([accepted, expected])
-    high = engine.depth_planner.SURVIVAL_SCALE_BOUNDS[1]
-    assert engine.depth_planner.survival_scale == pytest.approx(min(accepted / expected, high)) and accepted > expected
+    with torch.no_grad():
+        per_slot = [drafter.survival(torch.tensor([x.confidence_logits]))[0].tolist() for x in rounds]
+    sums = engine.depth_planner.slot_sums
+    for k in range(drafter.config.block_size):
+        reached = sum(x.accepted > k for x in rounds if x.verified > k)
+        promised = sum(s[k] for s, x in zip(per_slot, rounds) if x.verified > k)
+        assert sums[k] == pytest.approx([reached, promised])
+    assert sum(s[0] for s in sums) == accepted and sum(s[1] for s in sums) == pytest.approx(expected)
+    assert accepted > expected and engine.depth_planner.survival_scales[0] > 1
 
 
 @pytest.mark.parametrize("scheduler", ["fixed", "threshold", "algorithm1+draft cost"])
@@ -642,8 +690,9 @@ def test_hybrid_rows_price_the_block_on_the_corrected_survival():
     request.survival_estimate = [1.0] * drafter.config.block_size
     sure = torch.full((1, 2), 20.0)  # c_1 = 1 after any calibration
     assert engine._ngram_rows([request], [10], [2], sure) == {}
-    engine.depth_planner.acceptance_sums = [10.0, 40.0]  # a quarter of what the survival promised was accepted
-    assert engine.depth_planner.survival_scale == pytest.approx(0.25)
+    # a quarter of what the survival promised was reached, at every slot
+    engine.depth_planner.slot_sums = [[1000.0, 4000.0] for _ in range(drafter.config.block_size)]
+    assert engine.depth_planner.survival_scales == pytest.approx([0.25] * drafter.config.block_size, rel=1e-2)
     assert list(engine._ngram_rows([request], [10], [2], sure)) == [0]
 
 
