@@ -12,11 +12,11 @@ trajectory depends on the schedule.
     python benchmarks/planner_replay.py --drafter checkpoints/dspark-smollm2-135m-instruct-v14 \
         --out benchmarks/results/planner_replay_v14
 
-Policies: every fixed depth D (all drafts verified); the confidence threshold of the drafter's config; the depth
-planner with Algorithm 1's cut, as ``dspark_truncation="cost"`` runs it, fed the replayed rounds at their modelled
-times (``--planner-module FILE`` adds the planner of another checkout, to compare code). Writes
-``planner_replay.json`` and ``planner_replay.md``: modelled speed against plain decoding, tokens per round, slots
-drafted per round, per domain and pooled.
+Policies: every fixed depth D (all drafts verified); the confidence threshold of the drafter's config (and those of
+``--thresholds``); the depth planner with Algorithm 1's cut, as ``dspark_truncation="cost"`` runs it, fed the
+replayed rounds at their modelled times (``--planner-module FILE`` adds the planner of another checkout, to compare
+code). Writes ``planner_replay.json`` and ``planner_replay.md``: modelled speed against plain decoding, tokens per
+round, slots drafted per round, per domain and pooled.
 """
 
 import argparse
@@ -131,11 +131,19 @@ class PlannerPolicy:
 
     def cut(self, survival):
         self.estimate = self.planner.update_estimates([self.estimate], [survival])[0]
-        spent = self.draft_cost.draft_seconds(1, self.depth, self.context)  # Algorithm 1 knows the drafting is paid
+        if hasattr(self.planner, "cut"):
+            return self.planner.cut([survival], self.depth, self.context)[0]
+        spent = self.draft_cost.draft_seconds(1, self.depth, self.context)  # a planner from before DepthPlanner.cut
         return schedule_algorithm1(self.planner.corrected([survival]), self.verify, draft_seconds=spent)[0]
 
     def outcome(self, survival, verified, accepted, depth, context, seconds):
-        if verified:
+        if hasattr(self.planner, "record_round"):
+            self.planner.record_round(
+                depth, [verified], [accepted], seconds, survival=[survival[:verified]] if verified else None,
+                committed=accepted + 1, context=context,
+            )  # fmt: skip
+            return
+        if verified:  # a planner from before DepthPlanner.record_round
             self.planner.record_acceptance([survival[:verified]], [verified], [accepted])
         self.planner.record_round_time(1, depth, [verified], seconds, accepted + 1, context)
 
@@ -155,6 +163,8 @@ def main(argv=None) -> int:
     parser.add_argument("--planner-module", action="append", default=[], metavar="LABEL=FILE",
                         help="another depth_planner.py to replay beside this checkout's")  # fmt: skip
     parser.add_argument("--records", help="reuse the recordings of an earlier run (its planner_replay.json)")
+    parser.add_argument("--thresholds", type=float, nargs="*", default=[],
+                        help="confidence thresholds (on the calibrated survival) to replay beside the config's")  # fmt: skip
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     target, tokenizer = load_target("smollm2-135m-instruct")
@@ -175,7 +185,8 @@ def main(argv=None) -> int:
         label, path = spec.split("=", 1)
         modules[label] = load_module(path, f"replayed_{label}")
     policies = {f"fixed {d}": (lambda d=d: fixed(d)) for d in range(1, block + 1)}
-    policies[f"threshold {drafter.config.confidence_threshold}"] = lambda: threshold(drafter.config.confidence_threshold, block)
+    for value in dict.fromkeys([drafter.config.confidence_threshold, *args.thresholds]):
+        policies[f"threshold {value:g}"] = lambda value=value: threshold(value, block)
     for label, module in modules.items():
         policies[label] = lambda module=module: PlannerPolicy(module, verify, draft_cost, block)
     results = {}

@@ -3,12 +3,13 @@
 `DepthPlanner` is shared by the batched engine (R rows per step) and by ``generate(assistant_model=...)`` with
 ``dspark_truncation="cost"`` (one row). It keeps a moving average of each row's calibrated survival per slot,
 plans the depth D that maximises ``Theta = tau / (T_draft(R, D) + T_verify)`` on those estimates
-(`scheduler.plan_draft_depth`, D = 0 skips the drafter), and corrects the cost tables online: every round's wall
-time is divided by what the tables predict, per (load level, depth). Last, it checks the plan against the outcome:
-where the rounds that drafted have committed fewer tokens per second than the plain rounds at the same load
-level, over enough rounds of each to tell, it does not draft (:meth:`DepthPlanner.drafting_trails`). A depth
-chosen before anything is drafted cannot depend on the drafts, so the plan is lossless whatever it reads from the
-past.
+(`scheduler.plan_draft_depth`, D = 0 skips the drafter; a one-row step is planned over the last drafted blocks
+themselves, :meth:`DepthPlanner.plan_over_blocks`, since Algorithm 1 cuts each step where it falls), and
+corrects the cost tables online: every round's wall time is divided by what the tables predict, per (load level,
+depth). Last, it checks the plan against the outcome: where the rounds that drafted have committed fewer tokens per
+second than the plain rounds at the same load level, over enough rounds of each to tell, it does not draft
+(:meth:`DepthPlanner.drafting_trails`). A depth chosen before anything is drafted cannot depend on the drafts, so
+the plan is lossless whatever it reads from the past.
 
 The calibrated survival is a model too: calibration fits one decoding mode's confidences on one set of prompts,
 and a server's requests differ, slot by slot (measured with the v14 drafter on SmolLM2: greedy math accepts 0.62 /
@@ -34,10 +35,11 @@ wait. A plan dropped by the throughput check keeps probing at
 
 from __future__ import annotations
 
+import collections
 import weakref
 from collections.abc import Sequence
 
-from .scheduler import DraftCost, plan_draft_depth
+from .scheduler import DraftCost, level_cuts, plan_draft_depth, schedule_algorithm1
 
 __all__ = ["DepthPlanner", "blend_survival", "extend_survival", "generate_planner"]
 
@@ -91,6 +93,8 @@ class DepthPlanner:
         # per slot: verified rounds that reached it, the calibrated survival they promised it (decayed sums)
         self.slot_sums = [[0.0, 0.0] for _ in range(block_size)]
         self._timed_a_draft = False  # the first drafted round is not timed: it pays one-off costs
+        # the calibrated survival of the last drafted blocks, each continued to block_size slots (extend_survival)
+        self.recent_blocks: collections.deque = collections.deque(maxlen=self.BLOCK_MEMORY)
 
     def plan(
         self, estimates: Sequence[list[float] | None], context: int = DraftCost.BASE_CONTEXT, tokens_left: float | None = None
@@ -116,10 +120,14 @@ class DepthPlanner:
         if self.adapt_costs and ((level, 0) not in self.cost_ratio or self.planned_rounds % self.probe_interval == 0):
             return 0  # measure a plain round at this load, and re-measure it now and then
         catch_up = self.draft_cost.catch_up_seconds(len(estimates), context)
-        depth = plan_draft_depth(
-            estimates, self.cost_table, self.draft_cost, self.block_size, cost_scale=lambda d: self.scale(level, d),
-            catch_up_per_token=catch_up / (len(estimates) * max(tokens_left, 1.0)) if tokens_left is not None else 0.0,
-        )  # fmt: skip
+        catch_up_per_token = catch_up / (len(estimates) * max(tokens_left, 1.0)) if tokens_left is not None else 0.0
+        if self.plans_over_blocks(len(estimates)):
+            depth = self.plan_over_blocks(len(estimates), level, catch_up_per_token)
+        else:
+            depth = plan_draft_depth(
+                estimates, self.cost_table, self.draft_cost, self.block_size, cost_scale=lambda d: self.scale(level, d),
+                catch_up_per_token=catch_up_per_token,
+            )  # fmt: skip
         if depth > 0:
             self.probe_wait = self.probe_interval
             if self.drafting_trails(level):
@@ -128,6 +136,49 @@ class DepthPlanner:
             self.probe_wait = min(2 * self.probe_wait, 8 * self.probe_interval)
         self._probed = False
         return depth
+
+    # drafted blocks the plan over blocks reads, and how many steps' worth of them it needs (a step of R rows takes
+    # R blocks) before it replaces the plan on the rows' estimates; the most rows a step may have to be planned so:
+    # under load at T = 1 on a 2-core CPU, steps of 2 and 4 rows planned over blocks drafted more than on the
+    # estimates and gained nothing (benchmarks/results/load_ab_planner_blocks_avx2), one row gained 10 %
+    BLOCK_MEMORY = 16
+    MIN_BLOCKS = 4
+    MAX_BLOCK_ROWS = 1
+
+    def plans_over_blocks(self, num_rows: int) -> bool:
+        """Whether a step of ``num_rows`` rows is planned over the recent blocks (:meth:`plan_over_blocks`): up to
+        :attr:`MAX_BLOCK_ROWS` rows, once they hold :attr:`MIN_BLOCKS` steps' worth, and for several rows only with a
+        right-padded cost table (the engine's), under which a step's cut depends on its rows' survival summed per
+        slot alone."""
+        if num_rows > self.MAX_BLOCK_ROWS or (num_rows > 1 and not getattr(self.cost_table, "padded", False)):
+            return False
+        return num_rows * self.MIN_BLOCKS <= len(self.recent_blocks)
+
+    def plan_over_blocks(self, num_rows: int, level: int, catch_up_per_token: float = 0.0) -> int:
+        """The depth from the last drafted blocks (:attr:`recent_blocks`, corrected) instead of the rows' average
+        survival: each run of ``num_rows`` consecutive blocks stands for a step, and the depth D is the one whose
+        steps, each cut by Algorithm 1 on its first D slots as the step itself would cut them
+        (:func:`~generation.scheduling.scheduler.level_cuts`, the drafting time spent), commit the most tokens per
+        second over all of them, against plain decoding. A plan on the average prices every step as the average
+        block: a deep draft pays on the blocks whose survival stays high and is cut short on the others, and only
+        the blocks themselves show how often each happens. Times are scaled by the level's measured ratios, with
+        ``catch_up_per_token`` added to each depth's time per token, as in `plan_draft_depth`."""
+        blocks = self.corrected(self.recent_blocks)
+        steps = [blocks[i : i + num_rows] for i in range(len(blocks) - num_rows + 1)]
+        # per slot, the survival summed over the step's rows
+        gains = [[sum(b[j] for b in step) for j in range(self.block_size)] for step in steps]
+        taus = [[num_rows + sum(g[:n]) for n in range(self.block_size + 1)] for g in gains]  # tau of each cut
+        verify = [self.cost_table.step_seconds(num_rows, num_rows + n, 1 + n) for n in range(self.block_size + 1)]
+        best_depth, best = 0, num_rows / (self.scale(level, 0) * verify[0])
+        for depth in range(1, self.block_size + 1):
+            draft = self.draft_cost.draft_seconds(num_rows, depth)
+            cuts = level_cuts([g[:depth] for g in gains], self.cost_table, num_rows, draft)
+            tau = sum(t[n] for t, n in zip(taus, cuts))
+            seconds = sum(draft + verify[n] for n in cuts)
+            theta = 1.0 / (self.scale(level, depth) * seconds / tau + catch_up_per_token)
+            if theta > best:
+                best_depth, best = depth, theta
+        return best_depth
 
     # share of the time that probes may take while the plan skips the drafter: a probe costing p plain rounds more
     # than a plain round waits at least p / PROBE_BUDGET rounds after the drafter last ran
@@ -148,14 +199,33 @@ class DepthPlanner:
 
     def update_estimates(self, estimates: Sequence[list[float] | None], survival: Sequence[Sequence[float]]) -> list:
         """New per-row estimates after a drafted round (rows with no drafted slot keep theirs); also folds the
-        rows' mean into ``mean_survival``."""
+        rows' mean into ``mean_survival`` and each drafted block into ``recent_blocks``."""
         updated = [blend_survival(e, s, self.block_size) if s else e for e, s in zip(estimates, survival)]
         observed = [s for s in survival if s]
+        self.recent_blocks.extend(extend_survival(s, self.block_size) for s in observed)
         if observed:
             depth = min(len(s) for s in observed)
             mean = [sum(s[k] for s in observed) / len(observed) for k in range(depth)]
             self.mean_survival = blend_survival(self.mean_survival, mean, self.block_size)
         return updated
+
+    def cut(self, survival: Sequence[Sequence[float]], depth: int, context: int = DraftCost.BASE_CONTEXT) -> list[int]:
+        """Verification lengths of drafted blocks (their calibrated survival): Algorithm 1 on the survival as
+        corrected (:meth:`corrected`), the ``depth``-slot drafting over ``context`` new positions already spent."""
+        spent = self.draft_cost.draft_seconds(len(survival), depth, context)
+        return schedule_algorithm1(self.corrected(survival), self.cost_table, draft_seconds=spent)
+
+    def record_round(
+        self, depth: int, lengths: Sequence[int], accepted: Sequence[int], seconds: float, *,
+        survival: Sequence[Sequence[float]] | None = None, committed: int | None = None,
+        context: int = DraftCost.BASE_CONTEXT,
+    ) -> None:  # fmt: skip
+        """Everything a verified round teaches: its drafted rows' acceptance against their ``survival`` (None when
+        no row verified the drafter's block; see :meth:`record_acceptance`) and its wall time (see
+        :meth:`record_round_time`)."""
+        if survival is not None:
+            self.record_acceptance(survival, lengths, accepted)
+        self.record_round_time(len(lengths), depth, lengths, seconds, committed, context)
 
     # decay per verified round of the slot sums (a window of about 30 rounds); the promised accepted drafts at
     # which a slot's own evidence weighs as much as the factor of the slot before it (1 before the first slot);

@@ -302,7 +302,7 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
         if self.hybrid is not None:
             self.hybrid.record_choice("dspark")
         if survival is not None and drafted and self.depth_planner is not None:
-            verified = self._cost_cut(survival[:drafted], depth, context)
+            verified = self.depth_planner.cut([survival[:drafted]], depth, context)[0]
         if survival is not None and verified:  # scored against what the target accepts (DepthPlanner.corrected)
             self._round_survival = survival[:verified]
         self._pending_round = DSparkRound(
@@ -357,14 +357,14 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         round_ = self._pending_round
-        if self._round_survival is not None:  # what the verified drafts were expected to yield, against what they did
-            self._planner.record_acceptance([self._round_survival], [round_.verified], [int(num_matches)])
-            self._round_survival = None
         if self._round_timing is not None:  # the round's wall time: drafting, verification and Transformers' own work
             start, depth, context = self._round_timing
-            committed = None if round_.proposal == "ngram" else int(num_matches) + 1
-            self._planner.record_round_time(1, depth, [round_.verified], time.perf_counter() - start, committed, context)
-            self._round_timing = None
+            survival = None if self._round_survival is None else [self._round_survival]
+            self._planner.record_round(
+                depth, [round_.verified], [int(num_matches)], time.perf_counter() - start, survival=survival,
+                committed=None if round_.proposal == "ngram" else int(num_matches) + 1, context=context,
+            )  # fmt: skip
+            self._round_timing = self._round_survival = None
         if self.hybrid is not None and round_ is not None:
             if round_.proposal == "ngram":
                 self.hybrid.ngram.record(round_.match_length, round_.verified, int(num_matches))

@@ -23,7 +23,7 @@ so it cannot depend on the drafts it sizes either.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -33,6 +33,8 @@ __all__ = [
     "admission_groups",
     "admission_order",
     "async_capacity",
+    "early_stop",
+    "level_cuts",
     "plan_draft_depth",
     "schedule_algorithm1",
     "schedule_fixed",
@@ -230,27 +232,73 @@ def schedule_threshold(survival: Sequence[Sequence[float]], threshold: float) ->
     return [sum(1 for a in values if a >= threshold and a > 0.0) for values in survival]
 
 
+def early_stop(prefixes: Iterable[tuple[float, float]]) -> int:
+    """Algorithm 1's stopping rule, its one home: ``prefixes`` yields ``(tau, seconds)`` of the admission path's
+    prefixes, the empty one first; returns how many steps are admitted, those before the first that does not raise
+    ``Theta = tau / seconds``. It reads the path lazily and no further than that step, so a caller that builds the
+    path as it goes never looks past the stop."""
+    prefixes = iter(prefixes)
+    tau, seconds = next(prefixes)
+    best, admitted = tau / seconds, 0
+    for tau, seconds in prefixes:
+        theta = tau / seconds
+        if theta <= best:
+            break  # the early stop: nothing beyond this point may influence what was admitted
+        best, admitted = theta, admitted + 1
+    return admitted
+
+
 def schedule_algorithm1(survival: Sequence[Sequence[float]], cost, draft_seconds: float = 0.0) -> list[int]:
     """Algorithm 1: walk the admission path (:func:`admission_groups`) while ``Theta`` improves; stop at the first
-    non-improvement.
+    non-improvement (:func:`early_stop`).
 
     ``cost`` is a :class:`CostTable` or :class:`PaddedCostTable`; ``draft_seconds`` is this step's drafting time
     (already spent, so it only scales how much a verified token is worth)."""
     _check(survival)
     num_rows = len(survival)
+    groups = admission_groups(survival, cost)
+
+    def prefixes():
+        tau, num_tokens, width = float(num_rows), num_rows, 1
+        yield tau, draft_seconds + cost.step_seconds(num_rows, num_tokens, width)
+        for group in groups:
+            tau += sum(survival[r][j] for r, j in group)
+            num_tokens, width = num_tokens + len(group), max(width, 2 + max(j for _, j in group))
+            yield tau, draft_seconds + cost.step_seconds(num_rows, num_tokens, width)
+
     lengths = [0] * num_rows
-    tau, num_tokens, width = float(num_rows), num_rows, 1
-    best = tau / (draft_seconds + cost.step_seconds(num_rows, num_tokens, width))
-    for group in admission_groups(survival, cost):
-        gain = sum(survival[r][j] for r, j in group)
-        w = max(width, 2 + max(j for _, j in group))
-        theta = (tau + gain) / (draft_seconds + cost.step_seconds(num_rows, num_tokens + len(group), w))
-        if theta <= best:
-            break  # the early stop: nothing beyond this point may influence what was admitted
-        tau, num_tokens, width, best = tau + gain, num_tokens + len(group), w, theta
+    for group in groups[: early_stop(prefixes())]:
         for r, j in group:
             lengths[r] = j + 1
     return lengths
+
+
+def level_cuts(
+    level_gains: Sequence[Sequence[float]], cost, num_rows: int = 1, draft_seconds: float = 0.0
+) -> list[int]:
+    """Algorithm 1 for many steps at once, each given by its level gains (per slot j, the survival of slot j summed
+    over the step's ``num_rows`` rows): how many slots each step admits, with :func:`early_stop`, the stopping rule
+    of :func:`schedule_algorithm1`. With one row the levels are the row's slots, under either kind of cost table (a
+    row's own survival is in slot order); with more rows the table must be a :class:`PaddedCostTable`, which prices a
+    step by its rows and width alone, so that Algorithm 1 admits whole levels (:func:`admission_groups`) and reads
+    nothing of a step but these sums. The verify times along the path are looked up once for all steps. Gains must
+    be non-increasing, as survival is."""
+    if num_rows > 1 and not getattr(cost, "padded", False):
+        raise ValueError("level cuts of several rows need a right-padded cost table (PaddedCostTable)")
+    depth = max((len(g) for g in level_gains), default=0)
+    # the tokens are exact for one row; a padded table does not read them
+    seconds = [draft_seconds + cost.step_seconds(num_rows, num_rows + n, 1 + n) for n in range(depth + 1)]
+
+    def prefixes(gains):
+        tau = float(num_rows)
+        yield tau, seconds[0]
+        for n, gain in enumerate(gains, start=1):
+            if gain <= 0.0:
+                return  # an empty level, and every level after it: admission_groups leaves them out
+            tau += gain
+            yield tau, seconds[n]
+
+    return [early_stop(prefixes(g)) for g in level_gains]
 
 
 def _best_prefix(survival, groups, cost, num_requests, draft_seconds=0.0) -> tuple[int, float]:

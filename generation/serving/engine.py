@@ -533,12 +533,11 @@ class DSparkEngine:
                 kind = "dspark" if drafted[i] else "plain"
                 r.stats.rounds.append(DSparkRound(drafted=drafted[i], verified=lengths[i], accepted=n, confidence_logits=z, proposal=kind))
             self._commit(r, ids_l[i][1 : 1 + n] + [next_l[i]])
-        if self.depth_planner is not None:
-            if survival is not None:  # rows that verified an n-gram have no survival here
-                self.depth_planner.record_acceptance(survival, lengths, accepted_l)
-            committed = None if ngram_rows else int(sum(accepted_l)) + num_rows  # an n-gram's tokens are not drafting's
-            self.depth_planner.record_round_time(
-                num_rows, depth if drafts.shape[1] else 0, lengths, time.perf_counter() - started, committed, context
+        if self.depth_planner is not None:  # rows that verified an n-gram have empty survival here
+            self.depth_planner.record_round(
+                depth if drafts.shape[1] else 0, lengths, accepted_l, time.perf_counter() - started, survival=survival,
+                committed=None if ngram_rows else int(sum(accepted_l)) + num_rows,  # an n-gram's tokens are not drafting's
+                context=context,
             )  # fmt: skip
         self.step_log.append({"active": num_rows, "drafted": depth if drafts.shape[1] else 0,
                               "verified": int(sum(lengths)) + num_rows, "committed": int(sum(accepted_l)) + num_rows})  # fmt: skip

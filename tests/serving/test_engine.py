@@ -604,6 +604,42 @@ def test_unobserved_slots_continue_the_observed_acceptance():
     assert depth_planner_module.blend_survival([0.8, 0.01, 0.0], [0.8], 3)[1] > 0.3
 
 
+def test_small_steps_are_planned_over_the_recent_blocks_where_their_mean_would_not_draft(monkeypatch):
+    """Half the blocks survive to the end, half die at slot 1. Priced as their mean (0.48, 0.45, ...), every depth
+    loses to plain decoding, since the mean block pays the full width for half its tokens; Algorithm 1 cuts each
+    block where it falls, so over the blocks themselves drafting (nearly) the full block pays. The plan reads the
+    blocks once they hold 4 steps' worth; steps of several rows only where MAX_BLOCK_ROWS allows."""
+    planner_type = depth_planner_module.DepthPlanner
+    verify = PaddedCostTable.from_dict({1: {w: 1.0 + 0.5 * (w - 1) for w in range(1, 9)}})
+    draft = DraftCost.from_dict({1: [0.1 + 0.01 * d for d in range(1, 8)]})
+    planner = planner_type(verify, draft, 7, adapt_costs=False)
+    good, bad = [0.95 ** (k + 1) for k in range(7)], [0.05 ** (k + 1) for k in range(7)]
+    estimate = None
+    for i in range(planner_type.MIN_BLOCKS - 1):
+        estimate = planner.update_estimates([estimate], [good if i % 2 else bad])[0]
+    mean = planner.mean_survival
+    assert planner.plan([mean]) == 0, "too few blocks: the plan is the mean's"
+    estimate = planner.update_estimates([estimate], [good])[0]
+    depth = planner.plan([mean])
+    assert depth >= 5 and depth == planner.plan_over_blocks(1, 1)
+    assert planner.plan([mean, mean]) == 0, "two rows: planned on their estimates (MAX_BLOCK_ROWS)"
+    monkeypatch.setattr(planner_type, "MAX_BLOCK_ROWS", 4)
+    assert not planner.plans_over_blocks(2), "two rows need 8 blocks"
+    from generation.scheduling.scheduler import plan_draft_depth
+
+    assert plan_draft_depth([[0.5 * (g + b) for g, b in zip(good, bad)]], verify, draft, 7) == 0
+    assert len(planner.recent_blocks) == 4 and all(len(b) == 7 for b in planner.recent_blocks)
+    for i in range(4):  # two rows: a step is a run of two blocks, its cut Algorithm 1's on their sums per slot
+        planner.update_estimates([estimate, estimate], [good, bad] if i % 2 else [bad, good])
+    assert planner.plans_over_blocks(2) and planner.plan([mean, mean]) == planner.plan_over_blocks(2, 2) > 0
+    flattened = planner_type(CostTable.from_dict({b: 1.0 for b in range(1, 17)}), draft, 7, adapt_costs=False)
+    flattened.recent_blocks.extend([good] * planner_type.BLOCK_MEMORY)
+    assert flattened.plans_over_blocks(1) and not flattened.plans_over_blocks(2), "several rows need a padded table"
+    for _ in range(planner_type.BLOCK_MEMORY):  # the memory moves on: all bad now
+        planner.update_estimates([estimate], [bad[:2]])
+    assert planner.plan_over_blocks(1, 1) == 0
+
+
 def test_engine_feeds_the_planner_the_drafts_it_verified(monkeypatch):
     """The engine reports every verified block's calibrated survival and accepted drafts to its planner: with
     undecayed sums each slot's sums are exactly the rounds that reached it and the survival they promised it,

@@ -12,6 +12,7 @@ from generation.scheduling.scheduler import (
     PaddedCostTable,
     admission_groups,
     async_capacity,
+    level_cuts,
     plan_draft_depth,
     schedule_algorithm1,
     schedule_fixed,
@@ -71,6 +72,22 @@ def test_admitted_tokens_are_a_prefix_of_the_highest_survivals_and_never_zero(na
         assert all(a > 0 for a in admitted), "a zero-survival token was admitted"
         if name not in ("threshold", "algorithm1_padded") and admitted and rejected:
             assert min(admitted) >= max(rejected), "admission must follow the global survival order"
+
+
+def test_level_cuts_are_algorithm1_on_each_step():
+    rng = random.Random(3)
+    for _ in range(200):
+        blocks = random_survival(rng, rng.randint(1, 16))
+        draft = rng.choice([0.0, 0.005, 0.5])
+        for cost in (random_cost(rng), random_padded_cost(rng)):  # one row: either table
+            expected = [schedule_algorithm1([b], cost, draft_seconds=draft)[0] for b in blocks]
+            assert level_cuts(blocks, cost, draft_seconds=draft) == expected
+        cost, steps = random_padded_cost(rng), [random_survival(rng, rng.randint(2, 6)) for _ in range(4)]
+        gains = [[sum(b[j] for b in rows if j < len(b)) for j in range(max(map(len, rows), default=0))] for rows in steps]
+        expected = [max(schedule_algorithm1(rows, cost, draft_seconds=draft)) for rows in steps]
+        assert [level_cuts([g], cost, len(rows), draft) for g, rows in zip(gains, steps)] == [[n] for n in expected]
+    with pytest.raises(ValueError, match="padded"):
+        level_cuts([[0.5, 0.2]], random_cost(rng), num_rows=2)
 
 
 def test_fixed_length():
