@@ -35,7 +35,7 @@ from generation.evaluation.prompts import chat_input_ids, load_eval_prompts
 from generation.evaluation.speed import DEFAULT_DOMAINS
 from generation.scheduling import depth_planner
 from generation.scheduling.profiler import profile_draft_cost, profile_verify_cost
-from generation.scheduling.scheduler import DraftCost, schedule_algorithm1
+from generation.scheduling.scheduler import DraftCost
 from modeling_dspark import DSparkModel, load_target
 from modeling_dspark.cpu_blas import cpuinfo_field
 
@@ -121,7 +121,7 @@ class PlannerPolicy:
 
     def __init__(self, module, verify, draft_cost, block: int):
         self.planner = module.DepthPlanner(verify, draft_cost, block)
-        self.verify, self.draft_cost, self.estimate = verify, draft_cost, None
+        self.estimate = None
 
     def __call__(self, i, context, left):
         self.depth = self.planner.plan([self.estimate], context, tokens_left=left + 1)
@@ -129,23 +129,20 @@ class PlannerPolicy:
         self.planner.drafted(self.depth)
         return self.depth, self.cut
 
+    def _method(self, name: str):
+        """The replayed planner's own ``name``; a planner from before that method gets this checkout's, which
+        reads only what every replayable planner has (its tables, ``corrected``, the two ``record_*`` methods)."""
+        return getattr(type(self.planner), name, getattr(depth_planner.DepthPlanner, name)).__get__(self.planner)
+
     def cut(self, survival):
         self.estimate = self.planner.update_estimates([self.estimate], [survival])[0]
-        if hasattr(self.planner, "cut"):
-            return self.planner.cut([survival], self.depth, self.context)[0]
-        spent = self.draft_cost.draft_seconds(1, self.depth, self.context)  # a planner from before DepthPlanner.cut
-        return schedule_algorithm1(self.planner.corrected([survival]), self.verify, draft_seconds=spent)[0]
+        return self._method("cut")([survival], self.depth, self.context)[0]
 
     def outcome(self, survival, verified, accepted, depth, context, seconds):
-        if hasattr(self.planner, "record_round"):
-            self.planner.record_round(
-                depth, [verified], [accepted], seconds, survival=[survival[:verified]] if verified else None,
-                committed=accepted + 1, context=context,
-            )  # fmt: skip
-            return
-        if verified:  # a planner from before DepthPlanner.record_round
-            self.planner.record_acceptance([survival[:verified]], [verified], [accepted])
-        self.planner.record_round_time(1, depth, [verified], seconds, accepted + 1, context)
+        self._method("record_round")(
+            depth, [verified], [accepted], seconds, survival=[survival[:verified]] if verified else None,
+            committed=accepted + 1, context=context,
+        )  # fmt: skip
 
 
 def load_module(path: str, name: str):
