@@ -39,6 +39,25 @@ def _kind(config: dict) -> tuple[str, str]:
     return KINDS[config["model_type"]]
 
 
+def _truncation(config: dict, block) -> str | None:
+    """What a round verifies by default (``truncation`` and ``confidence_threshold`` of a DSpark config), and how a
+    ``generate()`` call overrides it; None for drafters without that setting (Eagle3)."""
+    if config.get("model_type") != "dspark":
+        return None
+    mode, threshold = config.get("truncation", "threshold"), float(config.get("confidence_threshold") or 0.0)
+    if mode == "threshold" and threshold > 0 and config.get("confidence_head"):
+        default = (f"Each round drafts up to {block} tokens and verifies them up to the last whose calibrated cumulative survival "
+                   f"(the product of the confidence head's STS-calibrated confidences) is at least {threshold:g}")  # fmt: skip
+    elif mode == "cost":
+        default = (f"Each round verifies as many of its {block} drafts as Algorithm 1 finds worth their cost, on verify and "
+                   "drafting costs profiled once on the machine")  # fmt: skip
+    else:
+        default = f"Each round drafts and verifies the whole block of {block} tokens"
+    return (f"{default} (`truncation: \"{mode}\"`, `confidence_threshold: {threshold:g}` in `config.json`). "
+            '`generate(..., dspark_truncation="fixed" | "threshold" | "cost", dspark_confidence_threshold=...)` '
+            "overrides them for one call; the output is the target's either way.")
+
+
 def drafter_card(folder: str | Path, *, target_repo: str = DEFAULT_TARGET_REPO, eval_results: str | Path | None = None,
                  label: str | None = None, repo_id: str | None = None) -> ModelCard:  # fmt: skip
     folder = Path(folder)
@@ -91,6 +110,9 @@ def drafter_card(folder: str | Path, *, target_repo: str = DEFAULT_TARGET_REPO, 
         "out = target.generate(ids, assistant_model=drafter, max_new_tokens=128)  # greedy or do_sample=True: lossless",
         "```",
     ]
+    truncation = _truncation(config, block)
+    if truncation:
+        lines += ["", "## Drafting", "", truncation]
     if taus:
         lines += ["", "## Acceptance length (tau, temperature 1, full blocks, first turn)", "",
                   "| " + " | ".join(taus) + " |", "|---" * len(taus) + "|", "| " + " | ".join(f"{v:.2f}" for v in taus.values()) + " |"]  # fmt: skip

@@ -25,10 +25,12 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = [
     "CostTable",
     "DraftCost",
+    "LevelCut",
     "PaddedCostTable",
     "admission_groups",
     "admission_order",
@@ -273,32 +275,48 @@ def schedule_algorithm1(survival: Sequence[Sequence[float]], cost, draft_seconds
     return lengths
 
 
+class LevelCut(NamedTuple):
+    """One step's cut by :func:`level_cuts`: the slots admitted, and the step as admitted: its expected committed
+    tokens (rows plus the admitted gains) and its seconds (drafting plus the verify forward)."""
+
+    admitted: int
+    tau: float
+    seconds: float
+
+
 def level_cuts(
     level_gains: Sequence[Sequence[float]], cost, num_rows: int = 1, draft_seconds: float = 0.0
-) -> list[int]:
+) -> list[LevelCut]:
     """Algorithm 1 for many steps at once, each given by its level gains (per slot j, the survival of slot j summed
     over the step's ``num_rows`` rows): how many slots each step admits, with :func:`early_stop`, the stopping rule
-    of :func:`schedule_algorithm1`. With one row the levels are the row's slots, under either kind of cost table (a
-    row's own survival is in slot order); with more rows the table must be a :class:`PaddedCostTable`, which prices a
-    step by its rows and width alone, so that Algorithm 1 admits whole levels (:func:`admission_groups`) and reads
-    nothing of a step but these sums. The verify times along the path are looked up once for all steps. Gains must
-    be non-increasing, as survival is."""
+    of :func:`schedule_algorithm1`, and the admitted prefix's ``(tau, seconds)``. With one row the levels are the
+    row's slots, under either kind of cost table (a row's own survival is in slot order); with more rows the table
+    must be a :class:`PaddedCostTable`, which prices a step by its rows and width alone, so that Algorithm 1 admits
+    whole levels (:func:`admission_groups`) and reads nothing of a step but these sums. The verify times along the
+    path are looked up once for all steps. Gains must be non-increasing, as survival is."""
     if num_rows > 1 and not getattr(cost, "padded", False):
         raise ValueError("level cuts of several rows need a right-padded cost table (PaddedCostTable)")
     depth = max((len(g) for g in level_gains), default=0)
     # the tokens are exact for one row; a padded table does not read them
     seconds = [draft_seconds + cost.step_seconds(num_rows, num_rows + n, 1 + n) for n in range(depth + 1)]
 
-    def prefixes(gains):
+    def prefixes(gains, seen):
         tau = float(num_rows)
-        yield tau, seconds[0]
+        seen.append((tau, seconds[0]))
+        yield seen[-1]
         for n, gain in enumerate(gains, start=1):
             if gain <= 0.0:
                 return  # an empty level, and every level after it: admission_groups leaves them out
             tau += gain
-            yield tau, seconds[n]
+            seen.append((tau, seconds[n]))
+            yield seen[-1]
 
-    return [early_stop(prefixes(g)) for g in level_gains]
+    cuts = []
+    for gains in level_gains:
+        seen: list[tuple[float, float]] = []  # the prefixes early_stop read, the admitted one among them
+        admitted = early_stop(prefixes(gains, seen))
+        cuts.append(LevelCut(admitted, *seen[admitted]))
+    return cuts
 
 
 def _best_prefix(survival, groups, cost, num_requests, draft_seconds=0.0) -> tuple[int, float]:

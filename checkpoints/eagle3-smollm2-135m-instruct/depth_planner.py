@@ -167,14 +167,11 @@ class DepthPlanner:
         steps = [blocks[i : i + num_rows] for i in range(len(blocks) - num_rows + 1)]
         # per slot, the survival summed over the step's rows
         gains = [[sum(b[j] for b in step) for j in range(self.block_size)] for step in steps]
-        taus = [[num_rows + sum(g[:n]) for n in range(self.block_size + 1)] for g in gains]  # tau of each cut
-        verify = [self.cost_table.step_seconds(num_rows, num_rows + n, 1 + n) for n in range(self.block_size + 1)]
-        best_depth, best = 0, num_rows / (self.scale(level, 0) * verify[0])
+        plain = self.cost_table.step_seconds(num_rows, num_rows, 1)
+        best_depth, best = 0, num_rows / (self.scale(level, 0) * plain)
         for depth in range(1, self.block_size + 1):
-            draft = self.draft_cost.draft_seconds(num_rows, depth)
-            cuts = level_cuts([g[:depth] for g in gains], self.cost_table, num_rows, draft)
-            tau = sum(t[n] for t, n in zip(taus, cuts))
-            seconds = sum(draft + verify[n] for n in cuts)
+            cuts = level_cuts([g[:depth] for g in gains], self.cost_table, num_rows, self.draft_cost.draft_seconds(num_rows, depth))
+            tau, seconds = sum(cut.tau for cut in cuts), sum(cut.seconds for cut in cuts)
             theta = 1.0 / (self.scale(level, depth) * seconds / tau + catch_up_per_token)
             if theta > best:
                 best_depth, best = depth, theta

@@ -5,8 +5,11 @@ asynchronous variant, all through :class:`generation.DSparkEngine`.
     python -m generation.evaluation.load_benchmark --drafter checkpoints/dspark-smollm2-135m-instruct
 
 R requests start together (eval prompts from GSM8K, HumanEval and MT-Bench in turn, seeded), each samples
-``--max-new-tokens`` tokens at temperature 1 (seed fixed per run); wall time includes prefill. The single-request
-reference is plain ``target.generate()`` on the same prompts and settings.
+``--max-new-tokens`` tokens at temperature 1 (seed fixed per run); wall time includes prefill. The prefill forward
+is the same for every method and, at R = 32 on a 2-core CPU, most of a batch's time, so a second table times the
+decode steps alone (``DSparkEngine.prefill_seconds`` subtracted, each request's first token left out): the
+schedulers' differences, without the prefill's noise. The single-request reference is plain ``target.generate()``
+on the same prompts and settings.
 
 Algorithm 1 and the asynchronous variant run twice: with the paper's cost model (``SPS(B)`` of B flattened tokens,
 ``generation.profile_sps``; full blocks drafted every step, drafting time left out) and with the engine's own
@@ -153,17 +156,22 @@ def run_load(
                     planners[label] = engine.depth_planner
                 outs = [engine.finished[i].output_ids for i in ids[label]]
                 rounds = [x for req in engine.finished.values() for x in req.stats.rounds]
-                runs[label][r].append((sum(len(o) for o in outs), seconds[label], engine.step_log, rounds))
+                runs[label][r].append((sum(len(o) for o in outs), seconds[label], engine.step_log, rounds,
+                                       seconds[label] - engine.prefill_seconds, len(outs)))  # fmt: skip
                 bar.update()
     for label in methods:
         rows = {}
         for r in concurrency:
             speeds = [n / wall for n, wall, *_ in runs[label][r]]
-            steps = [x for *_, step_log, _ in runs[label][r] for x in step_log]
-            rounds = [x for *_, batch_rounds in runs[label][r] for x in batch_rounds]
+            # the decode rounds alone: every token but each request's first, which its prefill forward samples
+            decode = [(n - requests) / seconds for n, _, _, _, seconds, requests in runs[label][r]]
+            steps = [x for _, _, step_log, *_ in runs[label][r] for x in step_log]
+            rounds = [x for _, _, _, batch_rounds, *_ in runs[label][r] for x in batch_rounds]
             rows[r] = {
                 "tokens_per_s": statistics.median(speeds),
                 "tokens_per_s_runs": speeds,
+                "decode_tokens_per_s": statistics.median(decode),
+                "decode_tokens_per_s_runs": decode,
                 "wall_s": sum(wall for _, wall, *_ in runs[label][r]),
                 "steps": len(steps),
                 "mean_draft_depth": sum(x["drafted"] for x in steps) / max(len(steps), 1),
@@ -201,6 +209,16 @@ def write_load_report(results: dict, out_dir, cost_table=None, command: str = ""
     ]
     for label, rows in methods.items():
         lines.append(f"| {label} | " + " | ".join(f"{rows[r]['tokens_per_s']:.1f}" for r in conc) + " |")
+    base = methods.get("no speculation")
+    lines += ["\n## Decode tokens / s, the prefill forwards left out" + (" (over no speculation)" if base else "") + "\n",
+              "The prefill is the same forward for every method, and at R = 32 it is most of a batch's time on a 2-core "
+              "CPU, so its noise swamps the schedulers' differences in the table above; this one times the decode "
+              "steps alone (each request's first token, sampled by its prefill, left out).\n",
+              "| method | " + " | ".join(f"R={r}" for r in conc) + " |", "|---" * (len(conc) + 1) + "|"]  # fmt: skip
+    for label, rows in methods.items():
+        cells = [f"{rows[r]['decode_tokens_per_s']:.1f}" + (f" ({rows[r]['decode_tokens_per_s'] / base[r]['decode_tokens_per_s']:.3f})" if base else "")
+                 for r in conc]  # fmt: skip
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["\n## Mean slots drafted per step (0 = drafter skipped)\n",
               "| method | " + " | ".join(f"R={r}" for r in conc) + " |", "|---" * (len(conc) + 1) + "|"]  # fmt: skip
     for label, rows in methods.items():

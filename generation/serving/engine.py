@@ -230,6 +230,8 @@ class DSparkEngine:
         self._next_id = 0
         self._survival_history: collections.deque = collections.deque(maxlen=2)  # for the asynchronous variant
         self.step_log: list[dict] = []  # per step: active requests, tokens verified, tokens committed
+        # wall time of the prefill forwards (each joining request's prompt and first token), which no scheduler changes
+        self.prefill_seconds = 0.0
 
     # ------------------------------------------------------------------------------------------ requests
     def add_request(
@@ -470,7 +472,9 @@ class DSparkEngine:
         """Advance every request by one draft-and-verify round; returns the requests that finished."""
         done = []
         if self.waiting:
+            started = time.perf_counter()
             self._prefill()
+            self.prefill_seconds += time.perf_counter() - started
             done += self._retire()
         self._drop_free_rows()
         requests = self.active

@@ -52,6 +52,28 @@ def test_card_kinds_and_errors(folder, tmp_path):
         drafter_card(tmp_path / "nothing")
 
 
+def test_card_states_the_default_truncation(tmp_path):
+    """The card says what a round verifies by default, read from the config, so a threshold set there is not a
+    silent difference between two checkpoints of one architecture."""
+    target = tiny_target()
+    cases = {
+        "threshold": ({"truncation": "threshold", "confidence_threshold": 0.1}, "is at least 0.1"),
+        "full": ({"truncation": "threshold", "confidence_threshold": 0.0}, "the whole block of"),
+        "cost": ({"truncation": "cost"}, "Algorithm 1"),
+    }
+    for name, (settings, phrase) in cases.items():
+        drafter = tiny_drafter(target)
+        for key, value in settings.items():
+            setattr(drafter.config, key, value)
+        drafter.save_pretrained(tmp_path / name)
+        text = drafter_card(tmp_path / name).text
+        section = text.split("## Drafting")[1].split("##")[0]
+        assert phrase in section and f'truncation: "{settings["truncation"]}"' in section, (name, section)
+    dflash = tiny_drafter(target, markov_head_type=None, confidence_head=False)  # no confidence head: whole blocks
+    dflash.save_pretrained(tmp_path / "dflash")
+    assert "the whole block of" in drafter_card(tmp_path / "dflash").text
+
+
 class FakeApi:
     def __init__(self):
         self.calls = []

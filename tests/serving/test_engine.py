@@ -2,6 +2,7 @@
 the target's distribution, under every scheduler, with requests of different lengths joining and leaving."""
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,34 @@ def test_batched_greedy_equals_plain_greedy_with_joins_and_leaves(scheduler, kin
     if kind == "oracle" and scheduler in ("fixed", "algorithm1", "algorithm1+draft cost"):
         assert max(r.accepted for r in engine.finished[first[2]].stats.rounds) >= 3
     assert max(step["active"] for step in engine.step_log) >= 4  # the joiners overlapped the first requests
+
+
+def test_prefill_time_is_kept_apart_from_the_decode_steps():
+    """``prefill_seconds`` adds up the prefill forwards alone, those of requests joining mid-run included: the load
+    benchmark's decode throughput subtracts it from the steps' time."""
+    target = tiny_target()
+    engine = DSparkEngine(target, tiny_drafter(target), **SETTINGS["fixed"])
+    prefill, pause = engine._prefill, 0.15
+
+    def slow_prefill():
+        time.sleep(pause)
+        return prefill()
+
+    engine._prefill = slow_prefill
+    ps = prompts(target.config.vocab_size)
+    engine.add_request(ps[0], max_new_tokens=6)
+    assert engine.prefill_seconds == 0.0
+    start = time.perf_counter()
+    engine.step()  # the prefill, then a decode round
+    step_seconds = time.perf_counter() - start
+    assert pause <= engine.prefill_seconds < step_seconds
+    decode_start = engine.prefill_seconds
+    engine.step()  # a decode round alone
+    assert engine.prefill_seconds == decode_start
+    engine.add_request(ps[1], max_new_tokens=6)  # joins mid-run
+    while engine.has_work():
+        engine.step()
+    assert 2 * pause <= engine.prefill_seconds < 2 * pause + 2 * (step_seconds - pause) + 1.0
 
 
 def sample_engine_counts(samples=2000, per_batch=10, seed=0, draft_vocab_ids=None, **settings):
@@ -307,6 +336,8 @@ def test_profiler_measures_caches_and_the_load_benchmark_runs(tmp_path, monkeypa
                        warmup_tokens=3, repeats=2)  # fmt: skip
     assert results["warmup_tokens"] == 3 and set(results["methods"]["algorithm 1, cold"]) == {1, 3}
     assert all(len(row["tokens_per_s_runs"]) == 2 for rows in results["methods"].values() for row in rows.values())
+    assert all(len(row["decode_tokens_per_s_runs"]) == 2 and min(row["decode_tokens_per_s_runs"]) > 0
+               for rows in results["methods"].values() for row in rows.values())  # fmt: skip
     assert results["methods"]["no speculation"][3]["mean_budget_per_request"] == 0
     assert results["methods"]["fixed 3"][1]["mean_budget_per_request"] > 0
     fixed_depth = results["methods"]["fixed 3"][1]["mean_draft_depth"]
@@ -314,7 +345,10 @@ def test_profiler_measures_caches_and_the_load_benchmark_runs(tmp_path, monkeypa
     assert results["methods"]["algorithm 1, paper cost"][1]["mean_draft_depth"] >= fixed_depth  # full blocks
     results["verify_cost_seconds"], results["draft_cost_seconds"] = verify.to_dict(), draft.to_dict()
     write_load_report(results, tmp_path / "out", COST, "test")
-    assert "Mean slots drafted" in (tmp_path / "out" / "load.md").read_text()
+    report = (tmp_path / "out" / "load.md").read_text()
+    assert "Mean slots drafted" in report
+    plain_decode = [line for line in report.split("## Decode tokens / s")[1].splitlines() if line.startswith("| no speculation")]
+    assert plain_decode and plain_decode[0].count("(1.000)") == 2  # each R's ratio to itself
     for name in ("load.md", "load.json", "load.png", "sps.png", "engine_costs.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0
 

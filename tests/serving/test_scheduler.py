@@ -81,11 +81,19 @@ def test_level_cuts_are_algorithm1_on_each_step():
         draft = rng.choice([0.0, 0.005, 0.5])
         for cost in (random_cost(rng), random_padded_cost(rng)):  # one row: either table
             expected = [schedule_algorithm1([b], cost, draft_seconds=draft)[0] for b in blocks]
-            assert level_cuts(blocks, cost, draft_seconds=draft) == expected
+            cuts = level_cuts(blocks, cost, draft_seconds=draft)
+            assert [cut.admitted for cut in cuts] == expected
+            for cut, b, n in zip(cuts, blocks, expected):  # the step as admitted: its tau and its price
+                assert cut.tau == pytest.approx(1 + sum(b[:n]))
+                assert cut.seconds == pytest.approx(draft + cost.step_seconds(1, 1 + n, 1 + n))
         cost, steps = random_padded_cost(rng), [random_survival(rng, rng.randint(2, 6)) for _ in range(4)]
         gains = [[sum(b[j] for b in rows if j < len(b)) for j in range(max(map(len, rows), default=0))] for rows in steps]
-        expected = [max(schedule_algorithm1(rows, cost, draft_seconds=draft)) for rows in steps]
-        assert [level_cuts([g], cost, len(rows), draft) for g, rows in zip(gains, steps)] == [[n] for n in expected]
+        for rows, g in zip(steps, gains):
+            lengths = schedule_algorithm1(rows, cost, draft_seconds=draft)
+            (cut,) = level_cuts([g], cost, len(rows), draft)
+            assert cut.admitted == max(lengths)
+            assert cut.tau == pytest.approx(len(rows) + sum(sum(b[:n]) for b, n in zip(rows, lengths)))
+            assert cut.seconds == pytest.approx(draft + cost.step_seconds(len(rows), len(rows) + sum(lengths), 1 + max(lengths)))
     with pytest.raises(ValueError, match="padded"):
         level_cuts([[0.5, 0.2]], random_cost(rng), num_rows=2)
 
