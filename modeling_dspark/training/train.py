@@ -76,7 +76,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="folder of an offline cache of the target's features (built on first use; epochs after the first skip the "
         "target's forward), 'none', or 'auto': OUTPUT_DIR/target_cache when the run plans two epochs or more",
     )  # fmt: skip
-    p.add_argument("--init-from", default=None, help="warm-start from a drafter folder (same geometry), e.g. the last export")
+    p.add_argument("--init-from", default=None, help="warm-start from a drafter folder, e.g. the last export: the same "
+                   "geometry, or fewer draft layers than --num-draft-layers (the added layers start as identity blocks)")
     p.add_argument("--seed", type=int, default=42)
     return p
 
@@ -145,12 +146,15 @@ def main(argv: list[str] | None = None) -> int:
             num_anchors=args.num_anchors,
             **vocab,
         )
+    warm_started = None
     if args.init_from:
+        from modeling_dspark.training.warm_start import warm_start
+
         warm = type(drafter).from_pretrained(args.init_from, dtype=torch.float32)
-        try:  # its draft vocabulary (d2t) comes with it
-            drafter.load_state_dict(warm.state_dict())
-        except RuntimeError as err:
-            raise SystemExit(f"--init-from {args.init_from}: not the geometry of this command's drafter ({err})") from None
+        try:  # its draft vocabulary (d2t) comes with it; added draft layers start as identity blocks
+            warm_started = warm_start(drafter, warm)
+        except ValueError as err:
+            raise SystemExit(f"--init-from {args.init_from}: {err}") from None
     target_cache = None
     epochs = args.max_steps * args.batch_size * args.grad_accum / max(len(dataset), 1)
     if args.target_cache == "auto":
@@ -225,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             "sequences_seen": result.global_step * args.batch_size * args.grad_accum,
             "wall_time_s_this_run": round(wall, 1),
             "resumed_from": last,
+            "warm_start": warm_started,  # the --init-from drafter's layers and the identity layers added to them
             "final_train_loss": result.training_loss,
             "command": command_line("modeling_dspark.training.train", argv),
             "arguments": vars(args),
