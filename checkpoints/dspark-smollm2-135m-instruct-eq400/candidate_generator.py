@@ -348,13 +348,6 @@ class DSparkCandidateGenerator(HiddenStateCandidateGenerator):
         `DepthPlanner.corrected`), as cost truncation and the engine read it."""
         return survival if survival is None else self._planner.corrected([survival])[0]
 
-    def _cost_cut(self, survival: list[float], depth: int, context: int) -> int:
-        """Algorithm 1 on this row's drafted slots (early stop: slot k is cut on survival up to k)."""
-        from .scheduler import schedule_algorithm1
-
-        spent = self.depth_planner.draft_cost.draft_seconds(1, depth, context)
-        return schedule_algorithm1([self._corrected(survival)], self.cost_table, draft_seconds=spent)[0]
-
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         round_ = self._pending_round
         if self._round_timing is not None:  # the round's wall time: drafting, verification and Transformers' own work

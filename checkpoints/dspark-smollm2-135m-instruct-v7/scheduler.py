@@ -234,20 +234,20 @@ def schedule_threshold(survival: Sequence[Sequence[float]], threshold: float) ->
     return [sum(1 for a in values if a >= threshold and a > 0.0) for values in survival]
 
 
-def early_stop(prefixes: Iterable[tuple[float, float]]) -> int:
+def early_stop(prefixes: Iterable[tuple[float, float]]) -> tuple[int, tuple[float, float]]:
     """Algorithm 1's stopping rule, its one home: ``prefixes`` yields ``(tau, seconds)`` of the admission path's
     prefixes, the empty one first; returns how many steps are admitted, those before the first that does not raise
-    ``Theta = tau / seconds``. It reads the path lazily and no further than that step, so a caller that builds the
-    path as it goes never looks past the stop."""
+    ``Theta = tau / seconds``, and the admitted prefix's ``(tau, seconds)``. It reads the path lazily and no further
+    than that step, so a caller that builds the path as it goes never looks past the stop."""
     prefixes = iter(prefixes)
-    tau, seconds = next(prefixes)
-    best, admitted = tau / seconds, 0
+    kept = next(prefixes)
+    best, admitted = kept[0] / kept[1], 0
     for tau, seconds in prefixes:
         theta = tau / seconds
         if theta <= best:
             break  # the early stop: nothing beyond this point may influence what was admitted
-        best, admitted = theta, admitted + 1
-    return admitted
+        best, admitted, kept = theta, admitted + 1, (tau, seconds)
+    return admitted, kept
 
 
 def schedule_algorithm1(survival: Sequence[Sequence[float]], cost, draft_seconds: float = 0.0) -> list[int]:
@@ -269,7 +269,8 @@ def schedule_algorithm1(survival: Sequence[Sequence[float]], cost, draft_seconds
             yield tau, draft_seconds + cost.step_seconds(num_rows, num_tokens, width)
 
     lengths = [0] * num_rows
-    for group in groups[: early_stop(prefixes())]:
+    admitted, _ = early_stop(prefixes())
+    for group in groups[:admitted]:
         for r, j in group:
             lengths[r] = j + 1
     return lengths
@@ -300,22 +301,19 @@ def level_cuts(
     # the tokens are exact for one row; a padded table does not read them
     seconds = [draft_seconds + cost.step_seconds(num_rows, num_rows + n, 1 + n) for n in range(depth + 1)]
 
-    def prefixes(gains, seen):
+    def prefixes(gains):
         tau = float(num_rows)
-        seen.append((tau, seconds[0]))
-        yield seen[-1]
+        yield tau, seconds[0]
         for n, gain in enumerate(gains, start=1):
             if gain <= 0.0:
                 return  # an empty level, and every level after it: admission_groups leaves them out
             tau += gain
-            seen.append((tau, seconds[n]))
-            yield seen[-1]
+            yield tau, seconds[n]
 
     cuts = []
     for gains in level_gains:
-        seen: list[tuple[float, float]] = []  # the prefixes early_stop read, the admitted one among them
-        admitted = early_stop(prefixes(gains, seen))
-        cuts.append(LevelCut(admitted, *seen[admitted]))
+        admitted, (tau, spent) = early_stop(prefixes(gains))
+        cuts.append(LevelCut(admitted, tau, spent))
     return cuts
 
 

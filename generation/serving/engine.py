@@ -428,9 +428,11 @@ class DSparkEngine:
             survival = self.depth_planner.corrected(survival)
         if self.scheduler == "threshold":
             return schedule_threshold(survival, self.threshold), calibrated
-        spent = self.draft_cost.draft_seconds(len(requests), depth, context) if self.draft_cost is not None else 0.0
         if self.scheduler == "algorithm1":
-            return schedule_algorithm1(survival, self.cost_table, draft_seconds=spent), calibrated
+            if self.depth_planner is not None:  # the corrected survival, the drafting time spent
+                return self.depth_planner.cut(calibrated, depth, context), calibrated
+            return schedule_algorithm1(survival, self.cost_table), calibrated  # the paper's costs: drafting left out
+        spent = self.draft_cost.draft_seconds(len(requests), depth, context) if self.draft_cost is not None else 0.0
         # asynchronous: the budget comes from the oldest remembered step (two steps back once warm)
         if self._survival_history:
             capacity = async_capacity(self._survival_history[0], self.cost_table, num_requests=len(requests), draft_seconds=spent)

@@ -23,8 +23,14 @@ IDENTITY_PROJECTIONS = ("self_attn.o_proj", "mlp.down_proj")
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
+def _layer_index(key: str) -> int | None:
+    """The draft layer a state-dict key belongs to (None: not a layer's)."""
+    match = _LAYER.match(key)
+    return int(match.group(1)) if match else None
+
+
 def _num_layers(state: dict) -> int:
-    return 1 + max((int(m.group(1)) for key in state if (m := _LAYER.match(key))), default=-1)
+    return 1 + max((i for key in state if (i := _layer_index(key)) is not None), default=-1)
 
 
 @torch.no_grad()
@@ -40,7 +46,8 @@ def warm_start(drafter, warm) -> dict:
         raise ValueError(f"the drafter has {want} draft layers, the warm start {have}: a warm start can add layers, not drop them")
     if want > have and getattr(drafter.config, "model_type", None) != "dspark":
         raise ValueError(f"only a DSpark drafter can be deepened; this one is {drafter.config.model_type!r}")
-    missing = [key for key in target_state if key not in source and not (_LAYER.match(key) and int(_LAYER.match(key).group(1)) >= have)]
+    in_added_layer = {key for key in target_state if (index := _layer_index(key)) is not None and index >= have}
+    missing = [key for key in target_state if key not in source and key not in in_added_layer]
     unexpected = [key for key in source if key not in target_state]
     if missing or unexpected:
         raise ValueError(f"not the geometry of this drafter: missing {missing[:3]}, unexpected {unexpected[:3]}")
